@@ -1,0 +1,74 @@
+// Command reconciler makes side-effecting API calls safe when their outcome
+// is unknown: it migrates the receipt ledger, computes intent fingerprints,
+// runs the reconciler that settles outcome_unknown receipts, and lets humans
+// resolve what cannot be proven.
+package main
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"os"
+	"os/signal"
+	"syscall"
+
+	"github.com/urfave/cli/v2"
+)
+
+func main() {
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	defer stop()
+	os.Exit(run(ctx, os.Args, os.Stdin, os.Stdout, os.Stderr))
+}
+
+// run executes the CLI and returns the process exit status: 0 on success,
+// 1 for bad input or a failed operation, 2 for usage errors.
+func run(ctx context.Context, args []string, stdin io.Reader, stdout, stderr io.Writer) int {
+	app := newApp(stdin, stdout, stderr)
+	err := app.RunContext(ctx, args)
+	if err == nil {
+		return 0
+	}
+	var ec cli.ExitCoder
+	if errors.As(err, &ec) {
+		if msg := err.Error(); msg != "" {
+			fmt.Fprintln(stderr, "reconciler: "+msg)
+		}
+		return ec.ExitCode()
+	}
+	// Anything urfave/cli returns unwrapped is a usage error (unknown
+	// flag, missing required flag, unknown command).
+	fmt.Fprintln(stderr, "reconciler: "+err.Error())
+	return 2
+}
+
+func newApp(stdin io.Reader, stdout, stderr io.Writer) *cli.App {
+	return &cli.App{
+		Name:            "reconciler",
+		Usage:           "make side-effecting API calls safe when their outcome is unknown",
+		Reader:          stdin,
+		Writer:          stdout,
+		ErrWriter:       stderr,
+		HideHelpCommand: true,
+		ExitErrHandler:  func(*cli.Context, error) {}, // run prints and exits
+		OnUsageError: func(c *cli.Context, err error, _ bool) error {
+			return cli.Exit(err.Error(), 2)
+		},
+		Commands: []*cli.Command{
+			migrateCommand(),
+			fingerprintCommand(),
+		},
+	}
+}
+
+// databaseURLFlag is the --database-url flag shared by every command that
+// talks to Postgres.
+func databaseURLFlag() *cli.StringFlag {
+	return &cli.StringFlag{
+		Name:     "database-url",
+		Usage:    "Postgres URL of the receipt ledger",
+		EnvVars:  []string{"RECONCILER_DATABASE_URL"},
+		Required: true,
+	}
+}

@@ -1,0 +1,90 @@
+package main
+
+import (
+	"fmt"
+
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/urfave/cli/v2"
+
+	"github.com/receiptledger/reconciler/migrations"
+)
+
+func migrateCommand() *cli.Command {
+	withProvider := func(c *cli.Context, f func(c *cli.Context, pool *pgxpool.Pool) error) error {
+		pool, err := pgxpool.New(c.Context, c.String("database-url"))
+		if err != nil {
+			return cli.Exit(fmt.Sprintf("migrate: %v", err), 1)
+		}
+		defer pool.Close()
+		if err := f(c, pool); err != nil {
+			return cli.Exit(fmt.Sprintf("migrate %s: %v", c.Command.Name, err), 1)
+		}
+		return nil
+	}
+	return &cli.Command{
+		Name:  "migrate",
+		Usage: "apply, roll back or list the embedded schema migrations",
+		Flags: []cli.Flag{databaseURLFlag()},
+		Subcommands: []*cli.Command{
+			{
+				Name:  "up",
+				Usage: "apply every pending migration",
+				Action: func(c *cli.Context) error {
+					return withProvider(c, func(c *cli.Context, pool *pgxpool.Pool) error {
+						if err := migrations.Up(c.Context, pool); err != nil {
+							return err
+						}
+						fmt.Fprintln(c.App.Writer, "migrations: up to date")
+						return nil
+					})
+				},
+			},
+			{
+				Name:  "down",
+				Usage: "roll back the most recent migration",
+				Action: func(c *cli.Context) error {
+					return withProvider(c, func(c *cli.Context, pool *pgxpool.Pool) error {
+						db := migrations.OpenDB(pool)
+						defer db.Close()
+						p, err := migrations.NewProvider(c.Context, db)
+						if err != nil {
+							return err
+						}
+						res, err := p.Down(c.Context)
+						if err != nil {
+							return err
+						}
+						fmt.Fprintf(c.App.Writer, "rolled back %s\n", res.Source.Path)
+						return nil
+					})
+				},
+			},
+			{
+				Name:  "status",
+				Usage: "list migrations and whether each is applied",
+				Action: func(c *cli.Context) error {
+					return withProvider(c, func(c *cli.Context, pool *pgxpool.Pool) error {
+						db := migrations.OpenDB(pool)
+						defer db.Close()
+						p, err := migrations.NewProvider(c.Context, db)
+						if err != nil {
+							return err
+						}
+						sts, err := p.Status(c.Context)
+						if err != nil {
+							return err
+						}
+						for _, s := range sts {
+							applied := "pending"
+							if s.State == "applied" {
+								applied = "applied " + s.AppliedAt.UTC().Format("2006-01-02 15:04:05Z")
+							}
+							fmt.Fprintf(c.App.Writer, "%-40s %s\n", s.Source.Path, applied)
+						}
+						return nil
+					})
+				},
+			},
+		},
+	}
+}

@@ -1,0 +1,133 @@
+package fingerprint
+
+import (
+	"errors"
+	"math"
+	"strconv"
+
+	"github.com/gowebpki/jcs"
+)
+
+// formatNumber returns the RFC 8785 §3.2.2.3 (ECMAScript Number.toString)
+// serialization of f. It is the same function that jcs.Transform applies to
+// every number, so the tests that pin it (the ES6 number sequence) pin the
+// canonicalizer's output too.
+func formatNumber(f float64) (string, error) {
+	return jcs.NumberToJSON(f)
+}
+
+// parseNumber converts JSON number text to the IEEE 754 double it denotes
+// under RFC 8785, refusing values too large for a double.
+func parseNumber(text string) (float64, error) {
+	f, err := strconv.ParseFloat(text, 64)
+	if err != nil {
+		if errors.Is(err, strconv.ErrRange) && math.IsInf(f, 0) {
+			return 0, ErrNumberRange
+		}
+		// The decoder has already checked the RFC 8259 number grammar, so
+		// ParseFloat has nothing else to object to.
+		return 0, ErrInvalidJSON
+	}
+	return f, nil
+}
+
+// decimal is the exact value of a decimal numeral, digits × 10^exp, with no
+// leading or trailing zeros in digits. Zero has empty digits (and either sign:
+// -0 and 0 denote the same value).
+type decimal struct {
+	neg    bool
+	digits string
+	exp    int64
+}
+
+// expLimit caps the exponent read from number text. Any exponent beyond it is
+// far outside the range of a double, so saturating it keeps the arithmetic in
+// int64 without changing any comparison this package makes.
+const expLimit = 1 << 50
+
+// parseDecimal reads JSON number text (RFC 8259 §6 grammar, already checked by
+// the decoder) into its exact value. It works on the digits themselves, in
+// linear time: unlike math/big.Rat.SetString, text such as 1e-999999999
+// cannot make it compute a power of ten with a billion digits.
+func parseDecimal(text string) decimal {
+	var d decimal
+	i := 0
+	if i < len(text) && text[i] == '-' {
+		d.neg = true
+		i++
+	}
+	intStart := i
+	for i < len(text) && isDigit(text[i]) {
+		i++
+	}
+	intPart := text[intStart:i]
+	fracPart := ""
+	if i < len(text) && text[i] == '.' {
+		i++
+		fracStart := i
+		for i < len(text) && isDigit(text[i]) {
+			i++
+		}
+		fracPart = text[fracStart:i]
+	}
+	var exp int64
+	if i < len(text) && (text[i] == 'e' || text[i] == 'E') {
+		i++
+		expNeg := false
+		if i < len(text) && (text[i] == '+' || text[i] == '-') {
+			expNeg = text[i] == '-'
+			i++
+		}
+		for ; i < len(text) && isDigit(text[i]); i++ {
+			if exp < expLimit {
+				exp = exp*10 + int64(text[i]-'0')
+			}
+		}
+		if expNeg {
+			exp = -exp
+		}
+	}
+
+	digits := intPart + fracPart
+	exp -= int64(len(fracPart))
+	start := 0
+	for start < len(digits) && digits[start] == '0' {
+		start++
+	}
+	end := len(digits)
+	for end > start && digits[end-1] == '0' {
+		end--
+		exp++
+	}
+	d.digits = digits[start:end]
+	d.exp = exp
+	if d.digits == "" {
+		d.neg, d.exp = false, 0
+	}
+	return d
+}
+
+func isDigit(c byte) bool { return c >= '0' && c <= '9' }
+
+// sameValue reports whether two JSON number texts denote exactly the same
+// mathematical value.
+func sameValue(a, b string) bool {
+	if a == b {
+		return true
+	}
+	return parseDecimal(a) == parseDecimal(b)
+}
+
+// exactCanonical returns the canonical form of the JSON number text, and
+// whether that form denotes exactly the same value as the text.
+func exactCanonical(text string) (canonical string, exact bool, err error) {
+	f, err := parseNumber(text)
+	if err != nil {
+		return "", false, err
+	}
+	canonical, err = formatNumber(f)
+	if err != nil {
+		return "", false, ErrNumberRange
+	}
+	return canonical, sameValue(text, canonical), nil
+}

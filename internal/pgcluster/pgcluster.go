@@ -1,0 +1,127 @@
+// Package pgcluster starts a throwaway PostgreSQL cluster from the local
+// server binaries, for tests and for the demo when no database is given.
+package pgcluster
+
+import (
+	"errors"
+	"fmt"
+	"net"
+	"os"
+	"os/exec"
+	"os/user"
+	"path/filepath"
+	"sort"
+	"strconv"
+	"strings"
+	"syscall"
+)
+
+// Cluster is a running throwaway cluster.
+type Cluster struct {
+	// URL connects to its postgres database as the superuser.
+	URL  string
+	dir  string
+	bin  string
+	cred *syscall.Credential
+}
+
+// Start runs initdb and postgres from the newest local server binaries
+// (/usr/lib/postgresql/<ver>/bin, else PATH) in a temporary directory,
+// listening on a free loopback port. Postgres refuses to run as root, so as
+// root the server runs as the postgres user.
+func Start() (*Cluster, error) {
+	bin, err := findServerBin()
+	if err != nil {
+		return nil, err
+	}
+	dir, err := os.MkdirTemp("", "reconciler-pg-")
+	if err != nil {
+		return nil, err
+	}
+	c := &Cluster{dir: dir, bin: bin}
+	if os.Geteuid() == 0 {
+		u, err := user.Lookup("postgres")
+		if err != nil {
+			os.RemoveAll(dir)
+			return nil, fmt.Errorf("running as root and no postgres user to drop to: %w", err)
+		}
+		uid, _ := strconv.Atoi(u.Uid)
+		gid, _ := strconv.Atoi(u.Gid)
+		c.cred = &syscall.Credential{Uid: uint32(uid), Gid: uint32(gid)}
+		if err := os.Chown(dir, uid, gid); err != nil {
+			os.RemoveAll(dir)
+			return nil, err
+		}
+	}
+	data := filepath.Join(dir, "data")
+	if err := c.run("initdb", "-D", data, "-U", "postgres", "-A", "trust", "-E", "UTF8", "--no-sync"); err != nil {
+		os.RemoveAll(dir)
+		return nil, err
+	}
+	port, err := freePort()
+	if err != nil {
+		os.RemoveAll(dir)
+		return nil, err
+	}
+	opts := fmt.Sprintf("-p %d -k %s -c listen_addresses=127.0.0.1 -c max_connections=300 -c shared_buffers=256MB", port, dir)
+	if err := c.run("pg_ctl", "-D", data, "-l", filepath.Join(dir, "log"), "-w", "-t", "60", "-o", opts, "start"); err != nil {
+		os.RemoveAll(dir)
+		return nil, err
+	}
+	c.URL = fmt.Sprintf("postgres://postgres@127.0.0.1:%d/postgres?sslmode=disable", port)
+	return c, nil
+}
+
+// Stop shuts the server down and removes its files.
+func (c *Cluster) Stop() error {
+	err := c.run("pg_ctl", "-D", filepath.Join(c.dir, "data"), "-m", "immediate", "-w", "stop")
+	if rerr := os.RemoveAll(c.dir); err == nil {
+		err = rerr
+	}
+	return err
+}
+
+func (c *Cluster) run(name string, args ...string) error {
+	cmd := exec.Command(filepath.Join(c.bin, name), args...)
+	cmd.SysProcAttr = &syscall.SysProcAttr{Credential: c.cred}
+	cmd.Dir = c.dir
+	out, err := cmd.CombinedOutput()
+	if err != nil {
+		return fmt.Errorf("%s: %w: %s", name, err, lastLines(string(out), 5))
+	}
+	return nil
+}
+
+func findServerBin() (string, error) {
+	matches, _ := filepath.Glob("/usr/lib/postgresql/*/bin/initdb")
+	if len(matches) == 0 {
+		if p, err := exec.LookPath("initdb"); err == nil {
+			return filepath.Dir(p), nil
+		}
+		return "", errors.New("no initdb under /usr/lib/postgresql/*/bin or on PATH (apt-get install -y postgresql)")
+	}
+	sort.Slice(matches, func(i, j int) bool { return version(matches[i]) > version(matches[j]) })
+	return filepath.Dir(matches[0]), nil
+}
+
+func version(initdb string) int {
+	v, _ := strconv.Atoi(filepath.Base(filepath.Dir(filepath.Dir(initdb))))
+	return v
+}
+
+func freePort() (int, error) {
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		return 0, err
+	}
+	defer l.Close()
+	return l.Addr().(*net.TCPAddr).Port, nil
+}
+
+func lastLines(s string, n int) string {
+	lines := strings.Split(strings.TrimSpace(s), "\n")
+	if len(lines) > n {
+		lines = lines[len(lines)-n:]
+	}
+	return strings.Join(lines, " | ")
+}

@@ -1,0 +1,83 @@
+package ledger
+
+import (
+	"errors"
+	"fmt"
+
+	"github.com/jackc/pgx/v5/pgconn"
+
+	"github.com/receiptledger/reconciler/statemachine"
+)
+
+// Errors returned by the client. Each refusal wraps one of them; test with
+// errors.Is, and use errors.As for the typed forms that carry details.
+var (
+	// ErrNotFound means no receipt has the given id.
+	ErrNotFound = errors.New("receipt not found")
+	// ErrDuplicateIntent means the same intent is unresolved in an earlier
+	// receipt of the same dependency; see DuplicateError.
+	ErrDuplicateIntent = errors.New("duplicate intent while an earlier outcome is unresolved")
+	// ErrKeyConflict means an idempotency key already names a receipt with
+	// another intent.
+	ErrKeyConflict = errors.New("idempotency key reused for another intent")
+	// ErrStateConflict means another writer moved the receipt first; see
+	// ConflictError.
+	ErrStateConflict = errors.New("receipt moved by another writer")
+	// ErrOutcomeUnknown means the request was sent and its answer was lost:
+	// do not retry; the reconciler will settle the receipt.
+	ErrOutcomeUnknown = errors.New("outcome unknown")
+	// ErrNotSent means the call failed before any byte was written; the
+	// receipt is rejected with retryable set, and a retry is safe.
+	ErrNotSent = errors.New("request not sent")
+	// ErrInvalidIntent means the intent is missing a field or its payload
+	// was refused by the fingerprint.
+	ErrInvalidIntent = errors.New("invalid intent")
+)
+
+// DuplicateError is returned by Plan when the intent's fingerprint is
+// unresolved in an earlier receipt. It matches ErrDuplicateIntent.
+type DuplicateError struct {
+	// Existing is the earlier receipt whose outcome is still unresolved.
+	Existing *Receipt
+}
+
+func (e *DuplicateError) Error() string {
+	return fmt.Sprintf("%v: receipt %d (%s) holds the same intent %s", ErrDuplicateIntent,
+		e.Existing.ID, e.Existing.State, e.Existing.Fingerprint)
+}
+
+// Unwrap returns ErrDuplicateIntent.
+func (e *DuplicateError) Unwrap() error { return ErrDuplicateIntent }
+
+// ConflictError is returned when a move's expected current state no longer
+// holds. It matches ErrStateConflict.
+type ConflictError struct {
+	ID       int64
+	Expected statemachine.State
+	Actual   statemachine.State
+}
+
+func (e *ConflictError) Error() string {
+	return fmt.Sprintf("receipt %d is %s, expected %s: %v", e.ID, e.Actual, e.Expected, ErrStateConflict)
+}
+
+// Unwrap returns ErrStateConflict.
+func (e *ConflictError) Unwrap() error { return ErrStateConflict }
+
+// SQLSTATEs raised by the schema's triggers and functions (package migrations).
+const (
+	codeIllegal   = "RL001"
+	codeConflict  = "RL002"
+	codeNotFound  = "RL003"
+	codeKeyReused = "RL004"
+	codeDuplicate = "RL005"
+)
+
+// pgCode returns the SQLSTATE of err, or "".
+func pgCode(err error) (string, *pgconn.PgError) {
+	var pe *pgconn.PgError
+	if errors.As(err, &pe) {
+		return pe.Code, pe
+	}
+	return "", nil
+}

@@ -1,0 +1,352 @@
+// Package ledger is the agent-side client of the receipt ledger: it records
+// every side-effecting call in Postgres before the bytes leave, moves the
+// receipt through the state machine as the call plays out, and refuses a
+// retry or a re-planned duplicate while an earlier outcome is unknown.
+//
+// Every move is one statement in one transaction (projection and history
+// together), guarded by the state the caller last saw, so of two concurrent
+// writers on one receipt exactly one wins and the other gets ErrStateConflict.
+package ledger
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/receiptledger/reconciler/fingerprint"
+	"github.com/receiptledger/reconciler/statemachine"
+)
+
+// Client records receipts for one actor. It is safe for concurrent use.
+type Client struct {
+	pool  *pgxpool.Pool
+	actor statemachine.Actor
+}
+
+// New returns a client that writes as actor ("agent:<id>").
+func New(pool *pgxpool.Pool, actor string) (*Client, error) {
+	a, err := statemachine.ParseActor(actor)
+	if err != nil {
+		return nil, fmt.Errorf("ledger: %w", err)
+	}
+	return &Client{pool: pool, actor: a}, nil
+}
+
+// As returns a client on the same pool that writes as actor. The reconciler
+// and review tools use it; the actor is checked on every move.
+func (c *Client) As(actor statemachine.Actor) *Client {
+	return &Client{pool: c.pool, actor: actor}
+}
+
+// Pool returns the pool the client writes through.
+func (c *Client) Pool() *pgxpool.Pool { return c.pool }
+
+// Actor returns the actor the client writes as.
+func (c *Client) Actor() statemachine.Actor { return c.actor }
+
+// Intent is what a call means to do.
+type Intent struct {
+	// IdempotencyKey is owned by the harness, stable across transport
+	// retries of one logical step; see Key.
+	IdempotencyKey string
+	// Operation names the call, e.g. "articles.create".
+	Operation string
+	// Dependency names the backend that fails independently, e.g. "blog-api".
+	Dependency string
+	// Method and Target are the HTTP method and path (or the RPC's name).
+	Method string
+	Target string
+	// Payload is the semantic JSON body.
+	Payload json.RawMessage
+	// Fingerprint options: volatile fields to drop and secret fields to
+	// redact in the stored intent, as JSON pointers.
+	Fingerprint fingerprint.Options
+	// AllowDuplicate opts out of the duplicate guard: plan even when the
+	// same intent is unresolved in another receipt.
+	AllowDuplicate bool
+}
+
+// Receipt is one attempt at one side effect: the current-state projection.
+type Receipt struct {
+	ID             int64
+	IdempotencyKey string
+	Operation      string
+	Dependency     string
+	Method         string
+	Target         string
+	Fingerprint    string
+	// Intent is the normalized payload with secret fields redacted.
+	Intent      json.RawMessage
+	State       statemachine.State
+	ExternalID  string
+	Attempt     int
+	RetryOf     int64 // 0 when this is a first attempt
+	CreatedAt   time.Time
+	SubmittedAt time.Time // zero until submitted
+	UpdatedAt   time.Time
+	Version     int
+}
+
+// Event is one transition in a receipt's history.
+type Event struct {
+	Seq        int
+	From       statemachine.State // "" for the first event
+	To         statemachine.State
+	At         time.Time
+	Actor      statemachine.Actor
+	Error      json.RawMessage
+	Evidence   json.RawMessage
+	Detail     json.RawMessage
+	ExternalID string
+}
+
+// CallError describes why a call did not succeed, as recorded in history.
+type CallError struct {
+	// Code is a short machine-readable cause: not_sent, rate_limited,
+	// timeout, http_500, truncated_body, ...
+	Code string `json:"code"`
+	// Message is the underlying error text.
+	Message string `json:"message,omitempty"`
+	// HTTPStatus is the response status, when there was one.
+	HTTPStatus int `json:"http_status,omitempty"`
+	// Retryable is set when no effect can have happened and a retry is safe.
+	Retryable bool `json:"retryable,omitempty"`
+}
+
+// Detail is what a move records besides its states: the error that caused
+// it, the evidence behind it, and anything else worth keeping.
+type Detail struct {
+	Error    *CallError     `json:"error,omitempty"`
+	Evidence any            `json:"evidence,omitempty"`
+	Reason   string         `json:"reason,omitempty"`
+	Extra    map[string]any `json:"extra,omitempty"`
+}
+
+// Move is one requested transition.
+type Move struct {
+	ID int64
+	// From is the state the caller last saw; the move happens only if the
+	// receipt is still in it.
+	From statemachine.State
+	To   statemachine.State
+	// Actor defaults to the client's actor.
+	Actor      statemachine.Actor
+	Detail     Detail
+	ExternalID string
+}
+
+// Key derives a harness-owned idempotency key from stable identities,
+// "task:step:operation". Colons and percent signs inside a part are escaped
+// so distinct triples never share a key.
+func Key(taskID, stepID, operation string) string {
+	esc := func(s string) string {
+		return strings.NewReplacer("%", "%25", ":", "%3A").Replace(s)
+	}
+	return esc(taskID) + ":" + esc(stepID) + ":" + esc(operation)
+}
+
+const receiptColumns = `id, idempotency_key, operation, dependency, method, target, fingerprint,
+	intent, state, coalesce(external_id, ''), attempt, coalesce(retry_of, 0),
+	created_at, coalesce(submitted_at, 'epoch'::timestamptz), updated_at, version`
+
+func scanReceipt(row pgx.Row) (*Receipt, error) {
+	var r Receipt
+	var state string
+	err := row.Scan(&r.ID, &r.IdempotencyKey, &r.Operation, &r.Dependency, &r.Method, &r.Target,
+		&r.Fingerprint, &r.Intent, &state, &r.ExternalID, &r.Attempt, &r.RetryOf,
+		&r.CreatedAt, &r.SubmittedAt, &r.UpdatedAt, &r.Version)
+	if err != nil {
+		return nil, err
+	}
+	r.State = statemachine.State(state)
+	if r.SubmittedAt.Equal(time.Unix(0, 0)) {
+		r.SubmittedAt = time.Time{}
+	}
+	return &r, nil
+}
+
+// Plan records the intent as a planned receipt before anything is sent. A
+// known idempotency key returns its existing receipt. An intent whose
+// fingerprint is unresolved in another receipt of the same dependency is
+// refused with a *DuplicateError unless AllowDuplicate is set.
+func (c *Client) Plan(ctx context.Context, in Intent) (*Receipt, error) {
+	return c.plan(ctx, in, 0)
+}
+
+func (c *Client) plan(ctx context.Context, in Intent, retryOf int64) (*Receipt, error) {
+	for name, v := range map[string]string{"idempotency key": in.IdempotencyKey,
+		"operation": in.Operation, "dependency": in.Dependency, "method": in.Method} {
+		if v == "" {
+			return nil, fmt.Errorf("ledger: plan: %w: %s is empty", ErrInvalidIntent, name)
+		}
+	}
+	payload := in.Payload
+	if len(payload) == 0 {
+		payload = json.RawMessage(`{}`)
+	}
+	fp, err := fingerprint.Compute(in.Method, in.Target, payload, in.Fingerprint)
+	if err != nil {
+		return nil, fmt.Errorf("ledger: plan %s: %w: %w", in.IdempotencyKey, ErrInvalidIntent, err)
+	}
+	var retry *int64
+	if retryOf != 0 {
+		retry = &retryOf
+	}
+	row := c.pool.QueryRow(ctx, `SELECT `+receiptColumns+` FROM reconciler.plan(
+		idempotency_key => $1, operation => $2, dependency => $3, method => $4, target => $5,
+		fingerprint => $6, intent => $7, actor => $8, allow_duplicate => $9, retry_of => $10)`,
+		in.IdempotencyKey, in.Operation, in.Dependency, strings.ToUpper(in.Method), in.Target,
+		fp.Fingerprint, fp.Intent, string(c.actor), in.AllowDuplicate, retry)
+	r, err := scanReceipt(row)
+	if err != nil {
+		return nil, c.planError(ctx, in.IdempotencyKey, err)
+	}
+	return r, nil
+}
+
+func (c *Client) planError(ctx context.Context, key string, err error) error {
+	code, pe := pgCode(err)
+	switch code {
+	case codeDuplicate:
+		id, _ := strconv.ParseInt(pe.Detail, 10, 64)
+		existing, gerr := c.Get(ctx, id)
+		if gerr != nil {
+			return fmt.Errorf("ledger: plan %s: %w (and reading receipt %d: %w)", key, ErrDuplicateIntent, id, gerr)
+		}
+		return fmt.Errorf("ledger: plan %s: %w", key, &DuplicateError{Existing: existing})
+	case codeKeyReused:
+		return fmt.Errorf("ledger: plan %s: %w: %s", key, ErrKeyConflict, pe.Message)
+	case codeNotFound:
+		return fmt.Errorf("ledger: plan %s: %w: %s", key, ErrNotFound, pe.Message)
+	case codeConflict:
+		return fmt.Errorf("ledger: plan %s: %w: %s", key, ErrStateConflict, pe.Message)
+	}
+	return fmt.Errorf("ledger: plan %s: %w", key, err)
+}
+
+// Transition makes one move in one transaction: the receipt's projection
+// and its history event together, only if the receipt is still in m.From.
+func (c *Client) Transition(ctx context.Context, m Move) (*Receipt, error) {
+	if m.Actor == "" {
+		m.Actor = c.actor
+	}
+	if err := statemachine.Check(m.Actor, m.From, m.To); err != nil {
+		return nil, fmt.Errorf("ledger: receipt %d: %w", m.ID, err)
+	}
+	detail, err := json.Marshal(m.Detail)
+	if err != nil {
+		return nil, fmt.Errorf("ledger: receipt %d: detail: %w", m.ID, err)
+	}
+	var ext *string
+	if m.ExternalID != "" {
+		ext = &m.ExternalID
+	}
+	row := c.pool.QueryRow(ctx, `SELECT `+receiptColumns+` FROM reconciler.transition(
+		receipt_id => $1, to_state => $2, actor => $3, detail => $4, external_id => $5, expected_state => $6)`,
+		m.ID, string(m.To), string(m.Actor), detail, ext, string(m.From))
+	r, err := scanReceipt(row)
+	if err == nil {
+		return r, nil
+	}
+	code, pe := pgCode(err)
+	switch code {
+	case codeConflict:
+		return nil, fmt.Errorf("ledger: %w", &ConflictError{ID: m.ID, Expected: m.From, Actual: statemachine.State(pe.Detail)})
+	case codeNotFound:
+		return nil, fmt.Errorf("ledger: receipt %d: %w", m.ID, ErrNotFound)
+	case codeIllegal:
+		return nil, fmt.Errorf("ledger: receipt %d: %w: %s", m.ID, statemachine.ErrIllegalTransition, pe.Message)
+	}
+	return nil, fmt.Errorf("ledger: receipt %d: %s -> %s: %w", m.ID, m.From, m.To, err)
+}
+
+// Submit records that the request is about to be sent. Call it before the
+// first byte leaves: a crash after it leaves an orphan the reconciler finds.
+func (c *Client) Submit(ctx context.Context, r *Receipt) (*Receipt, error) {
+	return c.Transition(ctx, Move{ID: r.ID, From: r.State, To: statemachine.Submitted})
+}
+
+// Succeed records a verified effect with the external id from the response.
+func (c *Client) Succeed(ctx context.Context, r *Receipt, externalID string, d Detail) (*Receipt, error) {
+	return c.Transition(ctx, Move{ID: r.ID, From: r.State, To: statemachine.Succeeded, ExternalID: externalID, Detail: d})
+}
+
+// Reject records a deterministic no-effect: a 4xx, or a failure before any
+// byte was sent.
+func (c *Client) Reject(ctx context.Context, r *Receipt, d Detail) (*Receipt, error) {
+	return c.Transition(ctx, Move{ID: r.ID, From: r.State, To: statemachine.Rejected, Detail: d})
+}
+
+// MarkUnknown records that the request was sent and its answer lost.
+func (c *Client) MarkUnknown(ctx context.Context, r *Receipt, d Detail) (*Receipt, error) {
+	return c.Transition(ctx, Move{ID: r.ID, From: r.State, To: statemachine.OutcomeUnknown, Detail: d})
+}
+
+// Retry plans attempt n+1 of a safe_to_retry receipt, linked to it, under
+// the key "<original key>#<attempt>". The intent is the previous one; pass
+// the original payload so secret fields (redacted in storage) are covered.
+func (c *Client) Retry(ctx context.Context, prev *Receipt, in Intent) (*Receipt, error) {
+	if prev.State != statemachine.SafeToRetry {
+		return nil, fmt.Errorf("ledger: retry receipt %d: %w: it is %s, not safe_to_retry",
+			prev.ID, ErrStateConflict, prev.State)
+	}
+	base, _, _ := strings.Cut(prev.IdempotencyKey, "#")
+	in.IdempotencyKey = base + "#" + strconv.Itoa(prev.Attempt+1)
+	in.Operation, in.Dependency, in.Method, in.Target = prev.Operation, prev.Dependency, prev.Method, prev.Target
+	r, err := c.plan(ctx, in, prev.ID)
+	if err != nil {
+		return nil, err
+	}
+	if r.Fingerprint != prev.Fingerprint {
+		return nil, fmt.Errorf("ledger: retry receipt %d: %w: the payload's fingerprint %s differs from %s",
+			prev.ID, ErrInvalidIntent, r.Fingerprint, prev.Fingerprint)
+	}
+	return r, nil
+}
+
+// Get returns the receipt with id.
+func (c *Client) Get(ctx context.Context, id int64) (*Receipt, error) {
+	r, err := scanReceipt(c.pool.QueryRow(ctx,
+		`SELECT `+receiptColumns+` FROM reconciler.receipts WHERE id = $1`, id))
+	if errors.Is(err, pgx.ErrNoRows) {
+		return nil, fmt.Errorf("ledger: receipt %d: %w", id, ErrNotFound)
+	}
+	if err != nil {
+		return nil, fmt.Errorf("ledger: get receipt %d: %w", id, err)
+	}
+	return r, nil
+}
+
+// History returns the receipt's events in order.
+func (c *Client) History(ctx context.Context, id int64) ([]Event, error) {
+	rows, err := c.pool.Query(ctx, `
+		SELECT seq, coalesce(from_state, ''), to_state, at, actor, error, evidence, detail,
+		       coalesce(external_id, '')
+		FROM reconciler.receipt_events WHERE receipt_id = $1 ORDER BY seq`, id)
+	if err != nil {
+		return nil, fmt.Errorf("ledger: history of receipt %d: %w", id, err)
+	}
+	events, err := pgx.CollectRows(rows, func(row pgx.CollectableRow) (Event, error) {
+		var e Event
+		var from, to, actor string
+		err := row.Scan(&e.Seq, &from, &to, &e.At, &actor, &e.Error, &e.Evidence, &e.Detail, &e.ExternalID)
+		e.From, e.To, e.Actor = statemachine.State(from), statemachine.State(to), statemachine.Actor(actor)
+		return e, err
+	})
+	if err != nil {
+		return nil, fmt.Errorf("ledger: history of receipt %d: %w", id, err)
+	}
+	if len(events) == 0 {
+		if _, err := c.Get(ctx, id); err != nil {
+			return nil, err
+		}
+	}
+	return events, nil
+}

@@ -1,0 +1,338 @@
+-- +goose Up
+-- The receipt ledger. `receipts` is the current-state projection, one row per
+-- attempt at a side effect; `receipt_events` is its append-only history. The
+-- database enforces the state machine itself so that a client in any
+-- language, or a hand-written UPDATE, cannot skip or rewrite a step.
+
+CREATE SCHEMA IF NOT EXISTS reconciler;
+
+-- The transition table of SPEC §3, kept in the database so the trigger and
+-- humans reading the schema see the same rules as package statemachine.
+CREATE TABLE reconciler.transitions (
+    from_state text NOT NULL,
+    to_state   text NOT NULL,
+    PRIMARY KEY (from_state, to_state)
+);
+INSERT INTO reconciler.transitions (from_state, to_state) VALUES
+    ('planned', 'submitted'), ('planned', 'rejected'),
+    ('submitted', 'succeeded'), ('submitted', 'rejected'), ('submitted', 'outcome_unknown'),
+    ('outcome_unknown', 'reconciling'), ('outcome_unknown', 'manual_review'),
+    ('reconciling', 'succeeded'), ('reconciling', 'safe_to_retry'), ('reconciling', 'manual_review'),
+    ('manual_review', 'succeeded'), ('manual_review', 'safe_to_retry'),
+    ('manual_review', 'rejected'), ('manual_review', 'outcome_unknown');
+
+CREATE TABLE reconciler.receipts (
+    id               bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+    idempotency_key  text NOT NULL UNIQUE CHECK (idempotency_key <> ''),
+    operation        text NOT NULL CHECK (operation <> ''),
+    dependency       text NOT NULL CHECK (dependency <> ''),
+    method           text NOT NULL CHECK (method <> '' AND method = upper(method)),
+    target           text NOT NULL,
+    fingerprint      text NOT NULL CHECK (fingerprint ~ '^sha256:[0-9a-f]{64}$'),
+    -- The normalized intent with secret fields redacted; never credentials.
+    intent           jsonb NOT NULL DEFAULT '{}',
+    state            text NOT NULL DEFAULT 'planned' CHECK (state IN (
+                         'planned', 'submitted', 'outcome_unknown', 'reconciling',
+                         'succeeded', 'safe_to_retry', 'rejected', 'manual_review')),
+    external_id      text,
+    attempt          integer NOT NULL DEFAULT 1 CHECK (attempt >= 1),
+    -- A retry is a new receipt linked to the safe_to_retry one it replaces;
+    -- UNIQUE so one settled attempt is retried at most once.
+    retry_of         bigint UNIQUE REFERENCES reconciler.receipts (id),
+    -- Who made the latest move and with what error/evidence. The trigger
+    -- copies them into the history row; they are the input of a move.
+    state_actor      text NOT NULL CHECK (state_actor ~ '^(agent|reconciler|human):.+'),
+    state_detail     jsonb NOT NULL DEFAULT '{}',
+    created_at       timestamptz NOT NULL DEFAULT now(),
+    submitted_at     timestamptz,
+    updated_at       timestamptz NOT NULL DEFAULT now(),
+    version          integer NOT NULL DEFAULT 1,
+    -- Reconciler bookkeeping: a claimed row carries a lease; a waiting row
+    -- carries the time of its next check, so the wait survives restarts.
+    lease_owner      text,
+    lease_expires_at timestamptz,
+    next_check_at    timestamptz,
+    check_count      integer NOT NULL DEFAULT 0
+);
+
+-- Duplicate guard of Plan: an unresolved receipt with the same intent.
+CREATE INDEX receipts_unresolved_fingerprint ON reconciler.receipts (dependency, fingerprint)
+    WHERE state IN ('submitted', 'outcome_unknown', 'reconciling', 'manual_review');
+-- The reconciler's claim: due rows only, ordered by due time.
+CREATE INDEX receipts_due ON reconciler.receipts (next_check_at)
+    WHERE state IN ('outcome_unknown', 'reconciling');
+-- Orphan sweep (stale submitted) and stale-planned counts.
+CREATE INDEX receipts_stale ON reconciler.receipts (state, updated_at)
+    WHERE state IN ('planned', 'submitted');
+
+CREATE TABLE reconciler.receipt_events (
+    id          bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+    receipt_id  bigint NOT NULL REFERENCES reconciler.receipts (id),
+    -- seq equals the receipt's version after the move: history is gap-free.
+    seq         integer NOT NULL,
+    from_state  text,
+    to_state    text NOT NULL,
+    at          timestamptz NOT NULL,
+    actor       text NOT NULL,
+    error       jsonb,
+    evidence    jsonb,
+    detail      jsonb NOT NULL DEFAULT '{}',
+    external_id text,
+    UNIQUE (receipt_id, seq)
+);
+
+-- reconciler.transition_error returns NULL when actor may move a receipt from
+-- from_state to to_state, else the reason it may not.
+-- +goose StatementBegin
+CREATE FUNCTION reconciler.transition_error(from_state text, to_state text, actor text)
+RETURNS text LANGUAGE sql STABLE AS $$
+    SELECT CASE
+        WHEN NOT EXISTS (SELECT 1 FROM reconciler.transitions t
+                         WHERE t.from_state = $1 AND t.to_state = $2)
+            THEN CASE WHEN $1 IN ('succeeded', 'safe_to_retry', 'rejected')
+                      THEN $1 || ' is terminal' ELSE 'not in the transition table' END
+        WHEN $1 = 'manual_review' AND $3 NOT LIKE 'human:%'
+            THEN 'only a human may leave manual_review'
+    END
+$$;
+-- +goose StatementEnd
+
+-- A row starts in planned. Its first history event is written with it.
+-- +goose StatementBegin
+CREATE FUNCTION reconciler.receipts_before_insert() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+    IF NEW.state <> 'planned' THEN
+        RAISE EXCEPTION 'illegal transition (new) -> %: a receipt starts in planned', NEW.state
+            USING ERRCODE = 'RL001';
+    END IF;
+    NEW.version := 1;
+    RETURN NEW;
+END
+$$;
+-- +goose StatementEnd
+
+-- Every state change is checked against the table and the actor rule, bumps
+-- the version, and is recorded in history by the statement trigger below.
+-- +goose StatementBegin
+CREATE FUNCTION reconciler.receipts_before_update() RETURNS trigger LANGUAGE plpgsql AS $$
+DECLARE
+    why text;
+BEGIN
+    IF NEW.id <> OLD.id OR NEW.idempotency_key <> OLD.idempotency_key
+       OR NEW.fingerprint <> OLD.fingerprint OR NEW.created_at <> OLD.created_at
+       OR NEW.version <> OLD.version THEN
+        RAISE EXCEPTION 'receipt %: id, idempotency_key, fingerprint, created_at and version cannot be changed', OLD.id
+            USING ERRCODE = 'RL006';
+    END IF;
+    IF NEW.state = OLD.state THEN
+        RETURN NEW;
+    END IF;
+    why := reconciler.transition_error(OLD.state, NEW.state, NEW.state_actor);
+    IF why IS NOT NULL THEN
+        RAISE EXCEPTION 'illegal transition % -> % by %: %', OLD.state, NEW.state, NEW.state_actor, why
+            USING ERRCODE = 'RL001';
+    END IF;
+    -- A move that did not set its own detail must not inherit the previous one's.
+    IF NEW.state_detail = OLD.state_detail THEN
+        NEW.state_detail := '{}';
+    END IF;
+    NEW.version := OLD.version + 1;
+    NEW.updated_at := now();
+    IF NEW.state = 'submitted' THEN
+        NEW.submitted_at := now();
+    END IF;
+    IF NEW.state = 'outcome_unknown' THEN
+        NEW.next_check_at := now();
+        NEW.lease_owner := NULL;
+        NEW.lease_expires_at := NULL;
+    END IF;
+    IF NEW.state IN ('succeeded', 'safe_to_retry', 'rejected', 'manual_review') THEN
+        NEW.next_check_at := NULL;
+        NEW.lease_owner := NULL;
+        NEW.lease_expires_at := NULL;
+    END IF;
+    RETURN NEW;
+END
+$$;
+-- +goose StatementEnd
+
+-- History rows are written per statement from the transition tables, so a
+-- batch of N moves costs one INSERT, not N.
+-- +goose StatementBegin
+CREATE FUNCTION reconciler.receipts_record_insert() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+    INSERT INTO reconciler.receipt_events
+        (receipt_id, seq, from_state, to_state, at, actor, error, evidence, detail, external_id)
+    SELECT n.id, n.version, NULL, n.state, n.updated_at, n.state_actor,
+           n.state_detail -> 'error', n.state_detail -> 'evidence', n.state_detail, n.external_id
+    FROM new_rows n;
+    RETURN NULL;
+END
+$$;
+-- +goose StatementEnd
+
+-- +goose StatementBegin
+CREATE FUNCTION reconciler.receipts_record_update() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+    INSERT INTO reconciler.receipt_events
+        (receipt_id, seq, from_state, to_state, at, actor, error, evidence, detail, external_id)
+    SELECT n.id, n.version, o.state, n.state, n.updated_at, n.state_actor,
+           n.state_detail -> 'error', n.state_detail -> 'evidence', n.state_detail, n.external_id
+    FROM new_rows n JOIN old_rows o ON o.id = n.id
+    WHERE n.version <> o.version;
+    RETURN NULL;
+END
+$$;
+-- +goose StatementEnd
+
+CREATE TRIGGER receipts_before_insert BEFORE INSERT ON reconciler.receipts
+    FOR EACH ROW EXECUTE FUNCTION reconciler.receipts_before_insert();
+CREATE TRIGGER receipts_before_update BEFORE UPDATE ON reconciler.receipts
+    FOR EACH ROW EXECUTE FUNCTION reconciler.receipts_before_update();
+CREATE TRIGGER receipts_record_insert AFTER INSERT ON reconciler.receipts
+    REFERENCING NEW TABLE AS new_rows
+    FOR EACH STATEMENT EXECUTE FUNCTION reconciler.receipts_record_insert();
+CREATE TRIGGER receipts_record_update AFTER UPDATE ON reconciler.receipts
+    REFERENCING OLD TABLE AS old_rows NEW TABLE AS new_rows
+    FOR EACH STATEMENT EXECUTE FUNCTION reconciler.receipts_record_update();
+
+-- History and receipts are never rewritten or removed.
+-- +goose StatementBegin
+CREATE FUNCTION reconciler.refuse_rewrite() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+    RAISE EXCEPTION '%.% is append-only: % refused', TG_TABLE_SCHEMA, TG_TABLE_NAME, TG_OP
+        USING ERRCODE = 'RL006';
+END
+$$;
+-- +goose StatementEnd
+
+CREATE TRIGGER receipt_events_append_only BEFORE UPDATE OR DELETE ON reconciler.receipt_events
+    FOR EACH ROW EXECUTE FUNCTION reconciler.refuse_rewrite();
+CREATE TRIGGER receipt_events_no_truncate BEFORE TRUNCATE ON reconciler.receipt_events
+    FOR EACH STATEMENT EXECUTE FUNCTION reconciler.refuse_rewrite();
+CREATE TRIGGER receipts_no_delete BEFORE DELETE ON reconciler.receipts
+    FOR EACH ROW EXECUTE FUNCTION reconciler.refuse_rewrite();
+CREATE TRIGGER receipts_no_truncate BEFORE TRUNCATE ON reconciler.receipts
+    FOR EACH STATEMENT EXECUTE FUNCTION reconciler.refuse_rewrite();
+
+-- reconciler.plan records a planned receipt, or returns the existing one for
+-- a known idempotency key. It refuses a key reused for another intent
+-- (RL004) and, unless allow_duplicate, an intent whose fingerprint is still
+-- unresolved for the same dependency under another key (RL005).
+-- +goose StatementBegin
+CREATE FUNCTION reconciler.plan(
+    idempotency_key text,
+    operation text,
+    dependency text,
+    method text,
+    target text,
+    fingerprint text,
+    intent jsonb,
+    actor text,
+    allow_duplicate boolean DEFAULT false,
+    retry_of bigint DEFAULT NULL
+) RETURNS reconciler.receipts LANGUAGE plpgsql AS $$
+DECLARE
+    r reconciler.receipts;
+    prev reconciler.receipts;
+BEGIN
+    SELECT * INTO r FROM reconciler.receipts x WHERE x.idempotency_key = plan.idempotency_key;
+    IF FOUND THEN
+        IF r.fingerprint <> plan.fingerprint OR r.dependency <> plan.dependency THEN
+            RAISE EXCEPTION 'idempotency key % already names receipt % with another intent (%)',
+                plan.idempotency_key, r.id, r.fingerprint USING ERRCODE = 'RL004';
+        END IF;
+        RETURN r;
+    END IF;
+    IF plan.retry_of IS NOT NULL THEN
+        SELECT * INTO prev FROM reconciler.receipts x WHERE x.id = plan.retry_of FOR UPDATE;
+        IF NOT FOUND THEN
+            RAISE EXCEPTION 'receipt % does not exist', plan.retry_of USING ERRCODE = 'RL003';
+        END IF;
+        IF prev.state <> 'safe_to_retry' THEN
+            RAISE EXCEPTION 'receipt % is %, not safe_to_retry: it cannot be retried', prev.id, prev.state
+                USING ERRCODE = 'RL002';
+        END IF;
+    END IF;
+    -- Serialize plans of one intent so two agents cannot both pass the guard.
+    PERFORM pg_advisory_xact_lock(hashtextextended(plan.dependency || ' ' || plan.fingerprint, 0));
+    IF NOT plan.allow_duplicate THEN
+        SELECT * INTO prev FROM reconciler.receipts x
+        WHERE x.dependency = plan.dependency AND x.fingerprint = plan.fingerprint
+          AND x.state IN ('submitted', 'outcome_unknown', 'reconciling', 'manual_review')
+        ORDER BY x.id LIMIT 1;
+        IF FOUND THEN
+            RAISE EXCEPTION 'intent % is unresolved in receipt % (%): a re-planned duplicate is blocked',
+                plan.fingerprint, prev.id, prev.state
+                USING ERRCODE = 'RL005', DETAIL = prev.id::text;
+        END IF;
+    END IF;
+    INSERT INTO reconciler.receipts AS x
+        (idempotency_key, operation, dependency, method, target, fingerprint, intent,
+         state_actor, attempt, retry_of)
+    VALUES (plan.idempotency_key, plan.operation, plan.dependency, upper(plan.method), plan.target,
+            plan.fingerprint, coalesce(plan.intent, '{}'), plan.actor,
+            CASE WHEN plan.retry_of IS NULL THEN 1 ELSE prev.attempt + 1 END, plan.retry_of)
+    ON CONFLICT ON CONSTRAINT receipts_idempotency_key_key DO NOTHING
+    RETURNING * INTO r;
+    IF NOT FOUND THEN
+        -- A concurrent plan of the same key won the insert; return its row.
+        SELECT * INTO r FROM reconciler.receipts x WHERE x.idempotency_key = plan.idempotency_key;
+        IF r.fingerprint <> plan.fingerprint OR r.dependency <> plan.dependency THEN
+            RAISE EXCEPTION 'idempotency key % already names receipt % with another intent (%)',
+                plan.idempotency_key, r.id, r.fingerprint USING ERRCODE = 'RL004';
+        END IF;
+    END IF;
+    RETURN r;
+END
+$$;
+-- +goose StatementEnd
+
+-- reconciler.transition moves a receipt to to_state. With expected_state it
+-- moves only from that state (RL002 otherwise), so of two concurrent writers
+-- exactly one wins. Illegal moves raise RL001, unknown receipts RL003.
+-- +goose StatementBegin
+CREATE FUNCTION reconciler.transition(
+    receipt_id bigint,
+    to_state text,
+    actor text,
+    detail jsonb DEFAULT '{}',
+    external_id text DEFAULT NULL,
+    expected_state text DEFAULT NULL
+) RETURNS reconciler.receipts LANGUAGE plpgsql AS $$
+DECLARE
+    r reconciler.receipts;
+BEGIN
+    UPDATE reconciler.receipts x
+    SET state = transition.to_state,
+        state_actor = transition.actor,
+        state_detail = coalesce(transition.detail, '{}'),
+        external_id = coalesce(transition.external_id, x.external_id)
+    WHERE x.id = transition.receipt_id
+      AND (transition.expected_state IS NULL OR x.state = transition.expected_state)
+    RETURNING * INTO r;
+    IF FOUND THEN
+        RETURN r;
+    END IF;
+    SELECT * INTO r FROM reconciler.receipts x WHERE x.id = transition.receipt_id;
+    IF NOT FOUND THEN
+        RAISE EXCEPTION 'receipt % does not exist', transition.receipt_id USING ERRCODE = 'RL003';
+    END IF;
+    RAISE EXCEPTION 'receipt % is %, expected %: another writer moved it first',
+        r.id, r.state, transition.expected_state USING ERRCODE = 'RL002', DETAIL = r.state;
+END
+$$;
+-- +goose StatementEnd
+
+-- +goose Down
+DROP FUNCTION reconciler.transition(bigint, text, text, jsonb, text, text);
+DROP FUNCTION reconciler.plan(text, text, text, text, text, text, jsonb, text, boolean, bigint);
+DROP TABLE reconciler.receipt_events;
+DROP TABLE reconciler.receipts;
+DROP FUNCTION reconciler.refuse_rewrite();
+DROP FUNCTION reconciler.receipts_record_update();
+DROP FUNCTION reconciler.receipts_record_insert();
+DROP FUNCTION reconciler.receipts_before_update();
+DROP FUNCTION reconciler.receipts_before_insert();
+DROP FUNCTION reconciler.transition_error(text, text, text);
+DROP TABLE reconciler.transitions;
