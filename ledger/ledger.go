@@ -65,12 +65,19 @@ type Intent struct {
 	Target string
 	// Payload is the semantic JSON body.
 	Payload json.RawMessage
-	// Fingerprint options: volatile fields to drop and secret fields to
-	// redact in the stored intent, as JSON pointers.
-	Fingerprint fingerprint.Options
+	// Drop names volatile payload fields (timestamps, nonces, request ids)
+	// left out of the fingerprint, as RFC 6901 JSON pointers.
+	Drop []string
+	// Secret names payload fields the fingerprint covers but the stored
+	// intent redacts, as JSON pointers.
+	Secret []string
 	// AllowDuplicate opts out of the duplicate guard: plan even when the
 	// same intent is unresolved in another receipt.
 	AllowDuplicate bool
+	// PreImage is the target's state before an update, recorded at plan
+	// time: the reconciler proves an update absent only if the resource
+	// still holds it. Leave nil for creates and deletes.
+	PreImage json.RawMessage
 }
 
 // Receipt is one attempt at one side effect: the current-state projection.
@@ -191,7 +198,8 @@ func (c *Client) plan(ctx context.Context, in Intent, retryOf int64) (*Receipt, 
 	if len(payload) == 0 {
 		payload = json.RawMessage(`{}`)
 	}
-	fp, err := fingerprint.Compute(in.Method, in.Target, payload, in.Fingerprint)
+	fp, err := fingerprint.Compute(in.Method, in.Target, payload,
+		fingerprint.WithDrop(in.Drop...), fingerprint.WithSecret(in.Secret...))
 	if err != nil {
 		return nil, fmt.Errorf("ledger: plan %s: %w: %w", in.IdempotencyKey, ErrInvalidIntent, err)
 	}
@@ -201,14 +209,24 @@ func (c *Client) plan(ctx context.Context, in Intent, retryOf int64) (*Receipt, 
 	}
 	row := c.pool.QueryRow(ctx, `SELECT `+receiptColumns+` FROM reconciler.plan(
 		idempotency_key => $1, operation => $2, dependency => $3, method => $4, target => $5,
-		fingerprint => $6, intent => $7, actor => $8, allow_duplicate => $9, retry_of => $10)`,
+		fingerprint => $6, intent => $7, actor => $8, allow_duplicate => $9, retry_of => $10,
+		pre_image => $11)`,
 		in.IdempotencyKey, in.Operation, in.Dependency, strings.ToUpper(in.Method), in.Target,
-		fp.Fingerprint, fp.Intent, string(c.actor), in.AllowDuplicate, retry)
+		fp.Fingerprint, fp.Intent, string(c.actor), in.AllowDuplicate, retry, preImage(in.PreImage))
 	r, err := scanReceipt(row)
 	if err != nil {
 		return nil, c.planError(ctx, in.IdempotencyKey, err)
 	}
 	return r, nil
+}
+
+// preImage returns p as a value for a nullable jsonb parameter: nil (SQL
+// NULL) when absent, so "no pre-image" is not confused with JSON null.
+func preImage(p json.RawMessage) any {
+	if len(p) == 0 {
+		return nil
+	}
+	return []byte(p)
 }
 
 func (c *Client) planError(ctx context.Context, key string, err error) error {

@@ -85,7 +85,7 @@ func TestDuplicateBlockedThenRetry(t *testing.T) {
 	c := newClient(t)
 	ctx := context.Background()
 	in := article("task-1:step-1:articles.create")
-	in.Fingerprint.Drop = []string{"/request_id"}
+	in.Drop = []string{"/request_id"}
 	first, err := c.Plan(ctx, in)
 	if err != nil {
 		t.Fatal(err)
@@ -102,7 +102,7 @@ func TestDuplicateBlockedThenRetry(t *testing.T) {
 	// outcome is unknown.
 	again := article("task-1:step-2:articles.create")
 	again.Payload = json.RawMessage(`{"request_id":"r-2","body":"...","title":"Outcome unknown"}`)
-	again.Fingerprint.Drop = []string{"/request_id"}
+	again.Drop = []string{"/request_id"}
 	_, err = c.Plan(ctx, again)
 	var dup *ledger.DuplicateError
 	if !errors.As(err, &dup) || !errors.Is(err, ledger.ErrDuplicateIntent) {
@@ -153,7 +153,9 @@ func TestConcurrentWritersOneWins(t *testing.T) {
 	c := newClient(t)
 	ctx := context.Background()
 	for i := range 20 {
-		r, err := c.Plan(ctx, article(ledger.Key("t", string(rune('a'+i)), "op")))
+		in := article(ledger.Key("t", string(rune('a'+i)), "op"))
+		in.AllowDuplicate = true
+		r, err := c.Plan(ctx, in)
 		if err != nil {
 			t.Fatal(err)
 		}

@@ -124,6 +124,8 @@ BEGIN
         RAISE EXCEPTION 'receipt %: id, idempotency_key, fingerprint, created_at and version cannot be changed', OLD.id
             USING ERRCODE = 'RL006';
     END IF;
+    -- An UPDATE that leaves the state as it is (leases, schedules) is not a
+    -- move and records nothing.
     IF NEW.state = OLD.state THEN
         RETURN NEW;
     END IF;
@@ -235,6 +237,7 @@ CREATE FUNCTION reconciler.plan(
 DECLARE
     r reconciler.receipts;
     prev reconciler.receipts;
+    earlier reconciler.receipts;
 BEGIN
     SELECT * INTO r FROM reconciler.receipts x WHERE x.idempotency_key = plan.idempotency_key;
     IF FOUND THEN
@@ -257,14 +260,14 @@ BEGIN
     -- Serialize plans of one intent so two agents cannot both pass the guard.
     PERFORM pg_advisory_xact_lock(hashtextextended(plan.dependency || ' ' || plan.fingerprint, 0));
     IF NOT plan.allow_duplicate THEN
-        SELECT * INTO prev FROM reconciler.receipts x
+        SELECT * INTO earlier FROM reconciler.receipts x
         WHERE x.dependency = plan.dependency AND x.fingerprint = plan.fingerprint
           AND x.state IN ('submitted', 'outcome_unknown', 'reconciling', 'manual_review')
         ORDER BY x.id LIMIT 1;
         IF FOUND THEN
             RAISE EXCEPTION 'intent % is unresolved in receipt % (%): a re-planned duplicate is blocked',
-                plan.fingerprint, prev.id, prev.state
-                USING ERRCODE = 'RL005', DETAIL = prev.id::text;
+                plan.fingerprint, earlier.id, earlier.state
+                USING ERRCODE = 'RL005', DETAIL = earlier.id::text;
         END IF;
     END IF;
     INSERT INTO reconciler.receipts AS x
@@ -288,7 +291,8 @@ END
 $$;
 -- +goose StatementEnd
 
--- reconciler.transition moves a receipt to to_state. With expected_state it
+-- reconciler.transition moves a receipt to to_state; a move to the state it
+-- is already in is refused like any illegal move. With expected_state it
 -- moves only from that state (RL002 otherwise), so of two concurrent writers
 -- exactly one wins. Illegal moves raise RL001, unknown receipts RL003.
 -- +goose StatementBegin
@@ -310,6 +314,7 @@ BEGIN
         external_id = coalesce(transition.external_id, x.external_id)
     WHERE x.id = transition.receipt_id
       AND (transition.expected_state IS NULL OR x.state = transition.expected_state)
+      AND x.state <> transition.to_state
     RETURNING * INTO r;
     IF FOUND THEN
         RETURN r;
@@ -317,6 +322,11 @@ BEGIN
     SELECT * INTO r FROM reconciler.receipts x WHERE x.id = transition.receipt_id;
     IF NOT FOUND THEN
         RAISE EXCEPTION 'receipt % does not exist', transition.receipt_id USING ERRCODE = 'RL003';
+    END IF;
+    IF r.state = transition.to_state
+       AND (transition.expected_state IS NULL OR transition.expected_state = r.state) THEN
+        RAISE EXCEPTION 'illegal transition % -> % by %: the receipt is already %',
+            r.state, r.state, transition.actor, r.state USING ERRCODE = 'RL001';
     END IF;
     RAISE EXCEPTION 'receipt % is %, expected %: another writer moved it first',
         r.id, r.state, transition.expected_state USING ERRCODE = 'RL002', DETAIL = r.state;

@@ -55,9 +55,18 @@ func newApp(stdin io.Reader, stdout, stderr io.Writer) *cli.App {
 		OnUsageError: func(c *cli.Context, err error, _ bool) error {
 			return cli.Exit(err.Error(), 2)
 		},
+		Action: func(c *cli.Context) error {
+			if c.Args().Present() {
+				return cli.Exit(fmt.Sprintf("unknown command %q (see reconciler --help)", c.Args().First()), 2)
+			}
+			return cli.ShowAppHelp(c)
+		},
 		Commands: []*cli.Command{
 			migrateCommand(),
 			fingerprintCommand(),
+			runCommand(),
+			statsCommand(),
+			benchCommand(),
 		},
 	}
 }

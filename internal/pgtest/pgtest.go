@@ -81,6 +81,18 @@ func AdminURL(tb testing.TB) string {
 // when the test ends, and returns its URL.
 func NewDatabase(tb testing.TB) string {
 	tb.Helper()
+	return newDatabase(tb, templateName)
+}
+
+// NewEmptyDatabase creates a database with no schema at all, for tests of
+// migrating itself.
+func NewEmptyDatabase(tb testing.TB) string {
+	tb.Helper()
+	return newDatabase(tb, "template0")
+}
+
+func newDatabase(tb testing.TB, template string) string {
+	tb.Helper()
 	admin := AdminURL(tb)
 	ctx := context.Background()
 	name := "t_" + randomHex(8)
@@ -89,7 +101,7 @@ func NewDatabase(tb testing.TB) string {
 		tb.Fatalf("pgtest: connect: %v", err)
 	}
 	defer conn.Close(ctx)
-	if _, err := conn.Exec(ctx, fmt.Sprintf(`CREATE DATABASE %s TEMPLATE %s`, name, templateName)); err != nil {
+	if _, err := conn.Exec(ctx, fmt.Sprintf(`CREATE DATABASE %s TEMPLATE %s`, name, template)); err != nil {
 		tb.Fatalf("pgtest: create database: %v", err)
 	}
 	tb.Cleanup(func() {

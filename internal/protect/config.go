@@ -1,0 +1,290 @@
+package protect
+
+import (
+	"errors"
+	"fmt"
+	"math"
+	"sort"
+	"time"
+
+	"golang.org/x/time/rate"
+)
+
+// Config is the configuration of a Guard. Start from DefaultConfig and
+// change what a deployment needs: a zero Config is not valid, because zero
+// is a meaningful value for some fields (a retry budget of 0, for one).
+type Config struct {
+	// Instance names this process in the shared breaker row (opened_by),
+	// e.g. the reconciler's instance id. Empty means "<hostname>:<pid>".
+	Instance string
+
+	// SharedRefresh is how often, at most, Acquire re-reads a dependency's
+	// shared "open until" row; between reads the cached value is used, so
+	// the hot path does not query the database per call. Another instance's
+	// opening is therefore seen at most SharedRefresh late. Default 1s.
+	SharedRefresh time.Duration
+
+	// StoreTimeout bounds each Store call made by the Guard on its own
+	// behalf (the write when a breaker opens happens in Permit.Done, which
+	// has no context). Default 2s.
+	StoreTimeout time.Duration
+
+	// Default is the policy of every dependency not named in Dependencies.
+	Default Policy
+
+	// Dependencies holds complete per-dependency policies that replace
+	// Default for that dependency (copy Default and change fields). A
+	// dependency is one backend that fails independently, never a tool name.
+	Dependencies map[string]Policy
+}
+
+// Policy is the protection policy of one dependency.
+type Policy struct {
+	Breaker     BreakerPolicy
+	Concurrency ConcurrencyPolicy
+	Rate        RatePolicy
+	RetryBudget RetryBudgetPolicy
+	Degraded    DegradedPolicy
+}
+
+// BreakerPolicy configures the circuit breaker.
+//
+// The breaker counts consecutive transient failures: a success resets the
+// count, a permanent or abandoned outcome neither counts nor resets. It is
+// the guard against a hard outage; a partial outage (failures interleaved
+// with successes) is the degraded mode's job, which looks at a rate over a
+// window.
+type BreakerPolicy struct {
+	// FailureThreshold is the number of consecutive transient failures that
+	// opens the breaker. Default 5: one or two timeouts are noise, five in a
+	// row with nothing succeeding in between is an outage.
+	FailureThreshold int
+	// Cooldown is how long the breaker stays open before it lets one probe
+	// through (half-open). Default 30s.
+	Cooldown time.Duration
+	// CooldownGrowth multiplies the cool-down after each failed probe in a
+	// row (1 keeps it constant). Default 2.
+	CooldownGrowth float64
+	// MaxCooldown caps the grown cool-down. Default 5m.
+	MaxCooldown time.Duration
+}
+
+// ConcurrencyPolicy limits the calls in flight to the dependency.
+type ConcurrencyPolicy struct {
+	// MaxInFlight is the most calls in flight at once from this process.
+	// Callers beyond it are deferred, never blocked. Default 8.
+	MaxInFlight int
+	// BusyDelay is how far a call is deferred when the reason has no known
+	// end: all slots taken, or a half-open probe still in flight. Default 1s.
+	BusyDelay time.Duration
+}
+
+// RatePolicy limits the rate of calls and caps Retry-After.
+type RatePolicy struct {
+	// Limit is the steady rate in calls per second; rate.Inf disables rate
+	// limiting. Default 5/s.
+	Limit rate.Limit
+	// Burst is the most calls allowed at once above the steady rate.
+	// Default 10.
+	Burst int
+	// MaxRetryAfter caps a Retry-After reported through Permit.Done, so a
+	// bogus header cannot stop a dependency for days. Default 1h.
+	MaxRetryAfter time.Duration
+}
+
+// RetryBudgetPolicy limits retries (calls made because an earlier call of
+// the same work failed transiently) to a share of first calls over a
+// sliding window, so retries cannot multiply the load of a sick dependency.
+// A retry is allowed while retries < max(MinRetries, Ratio × first calls)
+// over the last Window.
+type RetryBudgetPolicy struct {
+	// Ratio of retries to first calls. Default 0.2 (at most one retry per
+	// five first calls).
+	Ratio float64
+	// MinRetries is allowed per Window whatever the traffic, so a quiet
+	// dependency can still retry. Default 10.
+	MinRetries int
+	// Window is the sliding window. Default 1m.
+	Window time.Duration
+}
+
+// DegradedPolicy configures degraded mode: when the share of transient
+// failures among calls with a health signal (successes and transient
+// failures) over Window reaches EnterRate with at least MinCalls calls, the
+// dependency is degraded and its concurrency drops to MaxInFlight. It
+// recovers when the rate falls below ExitRate with at least MinCalls calls,
+// or when a whole Window passes without a transient failure.
+type DegradedPolicy struct {
+	// Window is the sliding window the rate is computed over. Default 1m.
+	Window time.Duration
+	// MinCalls is the smallest sample a decision is made on. Default 20.
+	MinCalls int
+	// EnterRate is the transient-failure rate that degrades. Default 0.5.
+	EnterRate float64
+	// ExitRate is the rate below which the dependency recovers; lower than
+	// EnterRate so the mode does not flap. Default 0.25.
+	ExitRate float64
+	// MaxInFlight is the concurrency limit while degraded. Default 1.
+	MaxInFlight int
+	// Delay is how far a call is deferred when the degraded limit is full.
+	// Default 5s.
+	Delay time.Duration
+}
+
+// DefaultConfig returns the defaults documented on each field.
+func DefaultConfig() Config {
+	return Config{
+		SharedRefresh: time.Second,
+		StoreTimeout:  2 * time.Second,
+		Default:       DefaultPolicy(),
+	}
+}
+
+// DefaultPolicy returns the default policy of a dependency.
+func DefaultPolicy() Policy {
+	return Policy{
+		Breaker: BreakerPolicy{
+			FailureThreshold: 5,
+			Cooldown:         30 * time.Second,
+			CooldownGrowth:   2,
+			MaxCooldown:      5 * time.Minute,
+		},
+		Concurrency: ConcurrencyPolicy{
+			MaxInFlight: 8,
+			BusyDelay:   time.Second,
+		},
+		Rate: RatePolicy{
+			Limit:         5,
+			Burst:         10,
+			MaxRetryAfter: time.Hour,
+		},
+		RetryBudget: RetryBudgetPolicy{
+			Ratio:      0.2,
+			MinRetries: 10,
+			Window:     time.Minute,
+		},
+		Degraded: DegradedPolicy{
+			Window:      time.Minute,
+			MinCalls:    20,
+			EnterRate:   0.5,
+			ExitRate:    0.25,
+			MaxInFlight: 1,
+			Delay:       5 * time.Second,
+		},
+	}
+}
+
+// Validate reports every invalid field of c, each named by its path.
+func (c Config) Validate() error {
+	var errs []error
+	bad := func(field, format string, args ...any) {
+		errs = append(errs, fmt.Errorf("protect: config: %s %s", field, fmt.Sprintf(format, args...)))
+	}
+	if c.SharedRefresh <= 0 {
+		bad("SharedRefresh", "must be > 0, got %v", c.SharedRefresh)
+	}
+	if c.StoreTimeout <= 0 {
+		bad("StoreTimeout", "must be > 0, got %v", c.StoreTimeout)
+	}
+	c.Default.validate("Default", bad)
+	deps := make([]string, 0, len(c.Dependencies))
+	for dep := range c.Dependencies {
+		deps = append(deps, dep)
+	}
+	sort.Strings(deps)
+	for _, dep := range deps {
+		if dep == "" {
+			bad("Dependencies", "has an empty dependency name")
+			continue
+		}
+		p := c.Dependencies[dep]
+		p.validate(fmt.Sprintf("Dependencies[%q]", dep), bad)
+	}
+	return errors.Join(errs...)
+}
+
+// Validate reports every invalid field of p.
+func (p Policy) Validate() error {
+	var errs []error
+	p.validate("Policy", func(field, format string, args ...any) {
+		errs = append(errs, fmt.Errorf("protect: config: %s %s", field, fmt.Sprintf(format, args...)))
+	})
+	return errors.Join(errs...)
+}
+
+func (p Policy) validate(at string, bad func(field, format string, args ...any)) {
+	b := p.Breaker
+	if b.FailureThreshold < 1 {
+		bad(at+".Breaker.FailureThreshold", "must be >= 1, got %d", b.FailureThreshold)
+	}
+	if b.Cooldown <= 0 {
+		bad(at+".Breaker.Cooldown", "must be > 0, got %v", b.Cooldown)
+	}
+	if !(b.CooldownGrowth >= 1) || math.IsInf(b.CooldownGrowth, 0) {
+		bad(at+".Breaker.CooldownGrowth", "must be >= 1 and finite, got %v", b.CooldownGrowth)
+	}
+	if b.MaxCooldown < b.Cooldown {
+		bad(at+".Breaker.MaxCooldown", "must be >= Cooldown (%v), got %v", b.Cooldown, b.MaxCooldown)
+	}
+
+	c := p.Concurrency
+	if c.MaxInFlight < 1 {
+		bad(at+".Concurrency.MaxInFlight", "must be >= 1, got %d", c.MaxInFlight)
+	}
+	if c.BusyDelay <= 0 {
+		bad(at+".Concurrency.BusyDelay", "must be > 0, got %v", c.BusyDelay)
+	}
+
+	r := p.Rate
+	if !(r.Limit > 0) {
+		bad(at+".Rate.Limit", "must be > 0 calls/s (rate.Inf for no limit), got %v", float64(r.Limit))
+	}
+	if r.Limit != rate.Inf && r.Burst < 1 {
+		bad(at+".Rate.Burst", "must be >= 1, got %d", r.Burst)
+	}
+	if r.MaxRetryAfter <= 0 {
+		bad(at+".Rate.MaxRetryAfter", "must be > 0, got %v", r.MaxRetryAfter)
+	}
+
+	rb := p.RetryBudget
+	if !(rb.Ratio >= 0) || math.IsInf(rb.Ratio, 0) {
+		bad(at+".RetryBudget.Ratio", "must be >= 0 and finite, got %v", rb.Ratio)
+	}
+	if rb.MinRetries < 0 {
+		bad(at+".RetryBudget.MinRetries", "must be >= 0, got %d", rb.MinRetries)
+	}
+	if rb.Window < windowBuckets*time.Millisecond {
+		bad(at+".RetryBudget.Window", "must be >= %v, got %v", windowBuckets*time.Millisecond, rb.Window)
+	}
+
+	d := p.Degraded
+	if d.Window < windowBuckets*time.Millisecond {
+		bad(at+".Degraded.Window", "must be >= %v, got %v", windowBuckets*time.Millisecond, d.Window)
+	}
+	if d.MinCalls < 1 {
+		bad(at+".Degraded.MinCalls", "must be >= 1, got %d", d.MinCalls)
+	}
+	if !(d.EnterRate > 0 && d.EnterRate <= 1) {
+		bad(at+".Degraded.EnterRate", "must be in (0, 1], got %v", d.EnterRate)
+	}
+	if !(d.ExitRate >= 0 && d.ExitRate <= d.EnterRate) {
+		bad(at+".Degraded.ExitRate", "must be in [0, EnterRate=%v], got %v", d.EnterRate, d.ExitRate)
+	}
+	if d.MaxInFlight < 1 {
+		bad(at+".Degraded.MaxInFlight", "must be >= 1, got %d", d.MaxInFlight)
+	}
+	if d.MaxInFlight > c.MaxInFlight && c.MaxInFlight >= 1 {
+		bad(at+".Degraded.MaxInFlight", "must be <= Concurrency.MaxInFlight (%d), got %d", c.MaxInFlight, d.MaxInFlight)
+	}
+	if d.Delay <= 0 {
+		bad(at+".Degraded.Delay", "must be > 0, got %v", d.Delay)
+	}
+}
+
+// policy returns the policy of dep.
+func (c Config) policy(dep string) Policy {
+	if p, ok := c.Dependencies[dep]; ok {
+		return p
+	}
+	return c.Default
+}

@@ -1,0 +1,151 @@
+package ledger_test
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"slices"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/receiptledger/reconciler/internal/pgtest"
+	"github.com/receiptledger/reconciler/ledger"
+)
+
+// BenchmarkLifecycle measures a full agent lifecycle (plan, submit,
+// succeed: three durable commits) with 1 and 8 concurrent agents, through
+// the ledger client and, in the same run and database server, through bare
+// SQL doing the same durable work (an insert or update of the receipt plus
+// an insert of the event, three commits per lifecycle, no triggers). It
+// reports lifecycles/s and the latency of each ledger call (p50, p99).
+//
+//	go test ./ledger -run '^$' -bench Lifecycle -benchtime 3000x
+func BenchmarkLifecycle(b *testing.B) {
+	for _, agents := range []int{1, 8} {
+		b.Run(fmt.Sprintf("bare-sql/agents=%d", agents), func(b *testing.B) {
+			pool := benchPool(b)
+			ctx := context.Background()
+			if _, err := pool.Exec(ctx, `
+				CREATE TABLE bare_receipts (id bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+					idempotency_key text UNIQUE NOT NULL, fingerprint text NOT NULL, intent jsonb NOT NULL,
+					state text NOT NULL, external_id text, version int NOT NULL, updated_at timestamptz NOT NULL);
+				CREATE TABLE bare_events (id bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+					receipt_id bigint NOT NULL REFERENCES bare_receipts (id), seq int NOT NULL,
+					from_state text, to_state text NOT NULL, at timestamptz NOT NULL, actor text NOT NULL,
+					detail jsonb NOT NULL, external_id text)`); err != nil {
+				b.Fatal(err)
+			}
+			var seq atomic.Int64
+			runAgents(b, agents, func(lat *[]time.Duration) error {
+				key := fmt.Sprintf("k-%d", seq.Add(1))
+				var id int64
+				err := timed(lat, func() error {
+					return pool.QueryRow(ctx, `WITH r AS (
+						INSERT INTO bare_receipts (idempotency_key, fingerprint, intent, state, version, updated_at)
+						VALUES ($1, $2, $3, 'planned', 1, now()) RETURNING id)
+						INSERT INTO bare_events (receipt_id, seq, to_state, at, actor, detail)
+						SELECT id, 1, 'planned', now(), 'agent:bench', '{}' FROM r RETURNING receipt_id`,
+						key, "sha256:x", `{"title":"t"}`).Scan(&id)
+				})
+				if err != nil {
+					return err
+				}
+				for i, to := range []string{"submitted", "succeeded"} {
+					err := timed(lat, func() error {
+						_, err := pool.Exec(ctx, `WITH r AS (
+							UPDATE bare_receipts SET state = $2, version = version + 1, updated_at = now()
+							WHERE id = $1 AND state = $3 RETURNING id, version)
+							INSERT INTO bare_events (receipt_id, seq, from_state, to_state, at, actor, detail)
+							SELECT id, version, $3, $2, now(), 'agent:bench', '{}' FROM r`,
+							id, to, []string{"planned", "submitted"}[i])
+						return err
+					})
+					if err != nil {
+						return err
+					}
+				}
+				return nil
+			})
+		})
+		b.Run(fmt.Sprintf("ledger/agents=%d", agents), func(b *testing.B) {
+			c, err := ledger.New(benchPool(b), "agent:bench")
+			if err != nil {
+				b.Fatal(err)
+			}
+			ctx := context.Background()
+			var seq atomic.Int64
+			payload := json.RawMessage(`{"title":"Outcome unknown","body":"An agent calls an external API.","tags":["a","b"]}`)
+			runAgents(b, agents, func(lat *[]time.Duration) error {
+				in := ledger.Intent{IdempotencyKey: fmt.Sprintf("k-%d", seq.Add(1)), Operation: "articles.create",
+					Dependency: "blog-api", Method: "POST", Target: "/api/articles", Payload: payload, AllowDuplicate: true}
+				var r *ledger.Receipt
+				steps := []func() error{
+					func() (err error) { r, err = c.Plan(ctx, in); return err },
+					func() (err error) { r, err = c.Submit(ctx, r); return err },
+					func() (err error) { r, err = c.Succeed(ctx, r, "ext-1", ledger.Detail{}); return err },
+				}
+				for _, step := range steps {
+					if err := timed(lat, step); err != nil {
+						return err
+					}
+				}
+				return nil
+			})
+		})
+	}
+}
+
+func benchPool(b *testing.B) *pgxpool.Pool {
+	b.Helper()
+	return pgtest.NewPool(b)
+}
+
+func timed(lat *[]time.Duration, f func() error) error {
+	start := time.Now()
+	err := f()
+	*lat = append(*lat, time.Since(start))
+	return err
+}
+
+// runAgents runs b.N lifecycles spread over agents goroutines and reports
+// lifecycles/s and per-call latency percentiles.
+func runAgents(b *testing.B, agents int, lifecycle func(lat *[]time.Duration) error) {
+	b.Helper()
+	var next atomic.Int64
+	lats := make([][]time.Duration, agents)
+	errs := make([]error, agents)
+	var wg sync.WaitGroup
+	b.ResetTimer()
+	start := time.Now()
+	for a := range agents {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for next.Add(1) <= int64(b.N) {
+				if err := lifecycle(&lats[a]); err != nil {
+					errs[a] = err
+					return
+				}
+			}
+		}()
+	}
+	wg.Wait()
+	elapsed := time.Since(start)
+	b.StopTimer()
+	for _, err := range errs {
+		if err != nil {
+			b.Fatal(err)
+		}
+	}
+	all := slices.Concat(lats...)
+	slices.Sort(all)
+	pct := func(p float64) float64 { return float64(all[int(p*float64(len(all)-1))].Microseconds()) }
+	b.ReportMetric(float64(b.N)/elapsed.Seconds(), "lifecycles/s")
+	b.ReportMetric(pct(0.50), "call-p50-µs")
+	b.ReportMetric(pct(0.99), "call-p99-µs")
+	b.ReportMetric(0, "ns/op")
+}
