@@ -259,6 +259,12 @@ BEGIN
     END IF;
     -- Serialize plans of one intent so two agents cannot both pass the guard.
     PERFORM pg_advisory_xact_lock(hashtextextended(plan.dependency || ' ' || plan.fingerprint, 0));
+    -- A plan of the same key may have committed while we waited: it is
+    -- this very intent, so return it rather than call it a duplicate.
+    SELECT * INTO r FROM reconciler.receipts x WHERE x.idempotency_key = plan.idempotency_key;
+    IF FOUND AND r.fingerprint = plan.fingerprint AND r.dependency = plan.dependency THEN
+        RETURN r;
+    END IF;
     IF NOT plan.allow_duplicate THEN
         SELECT * INTO earlier FROM reconciler.receipts x
         WHERE x.dependency = plan.dependency AND x.fingerprint = plan.fingerprint

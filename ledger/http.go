@@ -1,0 +1,823 @@
+package ledger
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"mime"
+	"net"
+	"net/http"
+	"net/http/httptrace"
+	"net/url"
+	"strconv"
+	"strings"
+	"sync/atomic"
+	"syscall"
+	"time"
+	"unicode/utf8"
+
+	"github.com/receiptledger/reconciler/statemachine"
+)
+
+// ErrRejected means the API refused the request deterministically (a 4xx,
+// or whatever a Caller's Classify calls a rejection): the receipt is
+// rejected and the effect did not happen. OutcomeError.Cause.Retryable says
+// whether sending it again later may succeed (429, 408, 425).
+var ErrRejected = errors.New("request rejected")
+
+// ErrResponseTooLarge is the Exchange.Err of a response whose body exceeded
+// Caller.MaxResponseBytes; Exchange.Body then holds the first bytes only.
+var ErrResponseTooLarge = errors.New("response body too large")
+
+// Defaults of a Caller's zero fields.
+const (
+	// DefaultMaxResponseBytes bounds the response body Do reads: 10 MiB.
+	DefaultMaxResponseBytes = 10 << 20
+	// DefaultSettleTimeout bounds each ledger write Do makes after planning
+	// (submit and settle), which run even when the call's context is done.
+	DefaultSettleTimeout = 5 * time.Second
+)
+
+// Error codes recorded in CallError.Code by the default classification,
+// besides "http_<status>" for a response that settles the receipt as
+// rejected or outcome_unknown.
+const (
+	CodeNotSent          = "not_sent"          // nothing was written: DNS, dial, TLS, local errors
+	CodeRateLimited      = "rate_limited"      // 429
+	CodeTimeout          = "timeout"           // sent, then a deadline passed
+	CodeCanceled         = "canceled"          // sent, then the context was canceled
+	CodeConnectionReset  = "connection_reset"  // sent, then ECONNRESET
+	CodeConnectionClosed = "connection_closed" // sent, then EOF before a response
+	CodeTransportError   = "transport_error"   // sent, then any other failure
+	CodeTruncatedBody    = "truncated_body"    // 2xx whose body could not be read whole
+	CodeMalformedBody    = "malformed_body"    // 2xx whose body is not the JSON it claims
+	CodeBodyTooLarge     = "body_too_large"    // 2xx whose body exceeds MaxResponseBytes
+	CodeInvalidVerdict   = "invalid_verdict"   // Classify returned an Outcome out of range
+)
+
+// Outcome is how a call settles its receipt: one of the three states a
+// submitted receipt may move to.
+type Outcome string
+
+// The outcomes of a call.
+const (
+	// OutcomeSucceeded: the effect happened (a 2xx with a parseable body).
+	OutcomeSucceeded = Outcome(statemachine.Succeeded)
+	// OutcomeRejected: the effect did not happen (a 4xx, or nothing sent).
+	OutcomeRejected = Outcome(statemachine.Rejected)
+	// OutcomeUnknown: the request was sent and whether it took effect is
+	// unknown; the reconciler will find out.
+	OutcomeUnknown = Outcome(statemachine.OutcomeUnknown)
+)
+
+// State returns the receipt state the outcome settles to.
+func (o Outcome) State() statemachine.State { return statemachine.State(o) }
+
+// Valid reports whether o is one of the three outcomes.
+func (o Outcome) Valid() bool {
+	return o == OutcomeSucceeded || o == OutcomeRejected || o == OutcomeUnknown
+}
+
+// Verdict is the classification of one exchange.
+type Verdict struct {
+	Outcome Outcome
+	// ExternalID is the id of the created or changed resource. For a
+	// succeeded verdict left empty, Do extracts it from the body with the
+	// Caller's ExternalID.
+	ExternalID string
+	// Code, Message and Retryable describe a rejected or unknown outcome in
+	// the receipt's history (CallError). Left empty by a Classify override,
+	// Code and Message default to those of the default classification, or
+	// to "http_<status>".
+	Code      string
+	Message   string
+	Retryable bool
+}
+
+// Exchange is what happened on the wire, as given to a classifier.
+type Exchange struct {
+	// Request is the request as sent. It may carry credentials: a
+	// classifier must not copy it into a verdict.
+	Request *http.Request
+	// Response is nil when no response arrived.
+	Response *http.Response
+	// Body is the response body as read (possibly partial when Err is set).
+	Body []byte
+	// Err is the transport error when Response is nil, else the error that
+	// cut reading the body short (ErrResponseTooLarge for an oversized one).
+	Err error
+	// Sent reports whether any byte of the request may have been written.
+	// It is conservative: true from the moment the transport had a
+	// connection for the request. False means no byte can have left, and a
+	// retry is safe.
+	Sent bool
+}
+
+// Status returns the response's status code, or 0 without a response.
+func (ex Exchange) Status() int {
+	if ex.Response == nil {
+		return 0
+	}
+	return ex.Response.StatusCode
+}
+
+// Caller makes side-effecting HTTP calls through the ledger: it plans and
+// submits the receipt before any byte is sent, sends the request, and
+// settles the receipt from what happened on the wire (SPEC §4). Configure
+// one Caller per API, since classification and external ids are per API.
+// A Caller is safe for concurrent use once configured.
+type Caller struct {
+	// Ledger records the receipts. Required.
+	Ledger *Client
+	// HTTP sends the requests; nil means http.DefaultClient. Its transport
+	// must report net/http/httptrace events for the request's context, as
+	// net/http's Transport (HTTP/1 and HTTP/2) and wrappers around it do:
+	// a failure the transport reports without any trace event is taken as
+	// "nothing was sent".
+	HTTP *http.Client
+	// Classify, when set, is consulted first; returning false falls back
+	// to DefaultClassify. Use it for per-API meanings, for example "409
+	// means it already exists: succeeded", or "this API's 503 comes from
+	// the load shedder in front of it: rejected, retryable".
+	Classify func(Exchange) (Verdict, bool)
+	// ExternalID extracts the external id from a succeeded response's
+	// body; nil means the top-level "id" (string or number) of a JSON
+	// object, see ExternalIDAt for another place. It returns "" when the
+	// body carries no id; an error means the body is not what the API
+	// promises, and the receipt settles as outcome_unknown.
+	ExternalID func(body []byte) (string, error)
+	// MaxResponseBytes bounds the response body read into memory;
+	// 0 means DefaultMaxResponseBytes.
+	MaxResponseBytes int64
+	// SettleTimeout bounds each ledger write after planning; 0 means
+	// DefaultSettleTimeout.
+	SettleTimeout time.Duration
+}
+
+// Result is what Do returns: the receipt and, when a response arrived, the
+// response with its body read whole (Response.Body reads Body again).
+type Result struct {
+	Receipt *Receipt
+	// Response is nil when no response arrived or nothing was sent.
+	Response *http.Response
+	Body     []byte
+	// Verdict is how this call was classified; zero when Replayed.
+	Verdict Verdict
+	// Sent reports whether this call may have written any request byte.
+	Sent bool
+	// Replayed is set when the idempotency key named a receipt that was
+	// already past planned: nothing was sent, and Receipt is that one.
+	Replayed bool
+}
+
+// OutcomeError is the error of a Do whose receipt did not succeed. It
+// matches ErrOutcomeUnknown (sent and unresolved: do not retry, the
+// reconciler settles it), ErrNotSent (nothing was written: rejected,
+// retryable) or ErrRejected (the API refused), and the transport error.
+type OutcomeError struct {
+	// Receipt is the receipt as it stands.
+	Receipt *Receipt
+	// Cause is the error recorded in the receipt's history; nil when none
+	// was (a receipt still submitted).
+	Cause *CallError
+	// Err is the underlying transport, body or ledger error, if any. Its
+	// text may hold the request URL with its query; Error does not print it.
+	Err error
+	// note is a credential-free account of Err for Error.
+	note string
+}
+
+func (e *OutcomeError) sentinel() error {
+	if e.Receipt != nil && e.Receipt.State == statemachine.Rejected {
+		if e.Cause != nil && e.Cause.Code == CodeNotSent {
+			return ErrNotSent
+		}
+		return ErrRejected
+	}
+	return ErrOutcomeUnknown
+}
+
+func (e *OutcomeError) Error() string {
+	var b strings.Builder
+	b.WriteString("ledger: ")
+	if r := e.Receipt; r != nil {
+		fmt.Fprintf(&b, "receipt %d (%s %s) is %s: ", r.ID, r.Operation, r.IdempotencyKey, r.State)
+	}
+	b.WriteString(e.sentinel().Error())
+	if c := e.Cause; c != nil {
+		b.WriteString(": " + c.Code)
+		if c.Message != "" {
+			b.WriteString(": " + c.Message)
+		}
+		if c.Retryable {
+			b.WriteString(" (retryable)")
+		}
+	}
+	if e.note != "" {
+		b.WriteString(": " + e.note)
+	}
+	return b.String()
+}
+
+// Unwrap returns the sentinel for the receipt's state and the underlying error.
+func (e *OutcomeError) Unwrap() []error {
+	if e.Err == nil {
+		return []error{e.sentinel()}
+	}
+	return []error{e.sentinel(), e.Err}
+}
+
+// Do makes the call req means, as intent in, through the ledger:
+//
+//  1. Plan records the intent (an existing key returns its receipt);
+//  2. Submit records that the request is about to leave;
+//  3. only then is req sent, under ctx (which replaces req's context);
+//  4. the receipt is settled from the exchange: Classify, then
+//     DefaultClassify. Settling uses a context detached from ctx, so a
+//     call whose ctx expired is still recorded.
+//
+// in.Method and in.Target default to req's method and URL path (never its
+// query or user info); set Target when the path itself holds a secret.
+// Only in.Payload (normalized, secret fields redacted) is stored: request
+// headers, credentials and the URL's query never reach the database, and
+// error messages are recorded with the URL's query and user info removed.
+//
+// A key whose receipt is already past planned is not sent again: Do
+// returns that receipt with Replayed set; nil error if it succeeded, an
+// OutcomeError otherwise. A safe_to_retry receipt is followed: Do plans the
+// next attempt with Client.Retry and sends that.
+//
+// The error is nil exactly when the receipt succeeded; an OutcomeError
+// when it settled otherwise (Result holds the receipt and any response);
+// and otherwise an error from planning (DuplicateError, ErrKeyConflict,
+// ErrInvalidIntent, ...) with nothing sent. Do always closes req.Body.
+//
+// The request is sent with GetBody cleared, so the transport never
+// replays a body it has started to write (net/http retries a request on a
+// reused connection only when it wrote nothing, or when the request is
+// idempotent by method or Idempotency-Key header and has no body).
+func (c *Caller) Do(ctx context.Context, in Intent, req *http.Request) (*Result, error) {
+	if err := c.check(&in, req); err != nil {
+		closeBody(req)
+		return nil, err
+	}
+	r, err := c.Ledger.Plan(ctx, in)
+	var prev *Receipt
+	for err == nil && r.State == statemachine.SafeToRetry {
+		prev = r
+		r, err = c.Ledger.Retry(ctx, prev, in)
+	}
+	var dup *DuplicateError
+	if errors.As(err, &dup) && (dup.Existing.IdempotencyKey == in.IdempotencyKey ||
+		(prev != nil && dup.Existing.RetryOf == prev.ID)) {
+		// A concurrent call planned and submitted this very receipt
+		// between the key lookup and the duplicate guard of plan: it is
+		// ours, not a duplicate.
+		closeBody(req)
+		return c.replay(ctx, dup.Existing)
+	}
+	if err != nil {
+		closeBody(req)
+		return nil, err
+	}
+	if r.State != statemachine.Planned {
+		closeBody(req)
+		return c.replay(ctx, r)
+	}
+	if err := ctx.Err(); err != nil {
+		closeBody(req)
+		return &Result{Receipt: r}, fmt.Errorf("ledger: receipt %d not submitted, nothing sent: %w", r.ID, err)
+	}
+
+	wctx, cancel := c.writeContext(ctx)
+	sub, err := c.Ledger.Submit(wctx, r)
+	cancel()
+	if errors.Is(err, ErrStateConflict) {
+		// Another call with the same key submitted it first: it is in flight there.
+		closeBody(req)
+		if cur, gerr := c.Ledger.Get(ctx, r.ID); gerr == nil {
+			return c.replay(ctx, cur)
+		}
+		return &Result{Receipt: r}, err
+	}
+	if err != nil {
+		closeBody(req)
+		return &Result{Receipt: r}, fmt.Errorf("ledger: receipt %d: submit failed, nothing sent: %w", r.ID, err)
+	}
+
+	ex, stats := c.send(ctx, req)
+	v, overridden := c.classify(ex)
+	res := &Result{Receipt: sub, Response: ex.Response, Body: ex.Body, Verdict: v, Sent: ex.Sent}
+	settled, cause, err := c.settle(ctx, sub, ex, v, overridden, stats)
+	if err != nil {
+		// The receipt stays submitted (or was moved by someone else, e.g.
+		// the reconciler's orphan sweep): its outcome is unknown to the
+		// ledger whatever the response said.
+		gctx, cancel := c.writeContext(ctx)
+		if cur, gerr := c.Ledger.Get(gctx, sub.ID); gerr == nil {
+			res.Receipt = cur
+		}
+		cancel()
+		note := fmt.Sprintf("recording the outcome (%s) failed: %v", v.Outcome, err)
+		return res, &OutcomeError{Receipt: res.Receipt, Cause: cause, Err: errors.Join(ex.Err, err), note: note}
+	}
+	res.Receipt = settled
+	if settled.State == statemachine.Succeeded {
+		return res, nil
+	}
+	return res, &OutcomeError{Receipt: settled, Cause: cause, Err: ex.Err}
+}
+
+func (c *Caller) check(in *Intent, req *http.Request) error {
+	if c.Ledger == nil {
+		return errors.New("ledger: Caller.Ledger is nil")
+	}
+	if req == nil || req.URL == nil {
+		return fmt.Errorf("ledger: do: %w: nil request or URL", ErrInvalidIntent)
+	}
+	method := req.Method
+	if method == "" {
+		method = http.MethodGet
+	}
+	if in.Method == "" {
+		in.Method = method
+	} else if !strings.EqualFold(in.Method, method) {
+		return fmt.Errorf("ledger: do %s: %w: intent method %s differs from the request's %s",
+			in.IdempotencyKey, ErrInvalidIntent, in.Method, method)
+	}
+	if in.Target == "" {
+		in.Target = req.URL.EscapedPath()
+		if in.Target == "" {
+			in.Target = "/"
+		}
+	}
+	return nil
+}
+
+func (c *Caller) writeContext(ctx context.Context) (context.Context, context.CancelFunc) {
+	d := c.SettleTimeout
+	if d <= 0 {
+		d = DefaultSettleTimeout
+	}
+	return context.WithTimeout(context.WithoutCancel(ctx), d)
+}
+
+// replay answers for a receipt that is already past planned, sending nothing.
+func (c *Caller) replay(ctx context.Context, r *Receipt) (*Result, error) {
+	res := &Result{Receipt: r, Replayed: true}
+	if r.State == statemachine.Succeeded {
+		return res, nil
+	}
+	oe := &OutcomeError{Receipt: r}
+	oe.Cause, oe.Err = c.lastError(ctx, r.ID)
+	if oe.Err != nil {
+		oe.note = oe.Err.Error()
+	}
+	return res, oe
+}
+
+// lastError returns the error recorded by the receipt's latest event that has one.
+func (c *Caller) lastError(ctx context.Context, id int64) (*CallError, error) {
+	events, err := c.Ledger.History(ctx, id)
+	if err != nil {
+		return nil, err
+	}
+	for i := len(events) - 1; i >= 0; i-- {
+		raw := events[i].Error
+		if len(raw) == 0 || string(raw) == "null" {
+			continue
+		}
+		var ce CallError
+		if err := json.Unmarshal(raw, &ce); err != nil {
+			return nil, fmt.Errorf("ledger: receipt %d: recorded error: %w", id, err)
+		}
+		return &ce, nil
+	}
+	return nil, nil
+}
+
+// sendStats is what the trace saw, kept as evidence.
+type sendStats struct {
+	conns  atomic.Int32 // GotConn events: more than one means the transport retried
+	reused atomic.Bool
+	wrote  atomic.Bool // a write hook fired
+}
+
+func (s *sendStats) sent() bool { return s.conns.Load() > 0 || s.wrote.Load() }
+
+// send writes req under ctx with a trace and reads the whole response body.
+//
+// "Sent" is decided conservatively: from GotConn on, the request may have
+// been handed to the connection's writer, and once a write has started,
+// bytes may be on the wire even if the write then fails (WroteRequest
+// reports an error for a partial write just as for none; a successful
+// write says nothing about delivery either). Only a failure before the
+// transport had a connection (DNS, dial, TLS handshake, proxy, a wrapping
+// RoundTripper's own error such as missing credentials) proves that no
+// byte left. Mistaking "not sent" for "sent" costs a readback; the reverse
+// would allow a duplicate.
+func (c *Caller) send(ctx context.Context, req *http.Request) (Exchange, *sendStats) {
+	st := &sendStats{}
+	trace := &httptrace.ClientTrace{
+		GotConn: func(info httptrace.GotConnInfo) {
+			st.conns.Add(1)
+			if info.Reused {
+				st.reused.Store(true)
+			}
+		},
+		WroteHeaderField: func(string, []string) { st.wrote.Store(true) },
+		WroteHeaders:     func() { st.wrote.Store(true) },
+		Wait100Continue:  func() { st.wrote.Store(true) },
+		WroteRequest:     func(httptrace.WroteRequestInfo) { st.wrote.Store(true) },
+	}
+	out := req.Clone(httptrace.WithClientTrace(ctx, trace))
+	// Without GetBody the transport cannot rewind a body it has started
+	// to send, so it cannot resend a non-idempotent request on its own,
+	// and a 307/308 redirect is returned rather than replayed.
+	out.GetBody = nil
+	hc := c.HTTP
+	if hc == nil {
+		hc = http.DefaultClient
+	}
+	resp, err := hc.Do(out)
+	ex := Exchange{Request: out, Response: resp, Err: err}
+	if resp != nil && err == nil {
+		ex.Body, ex.Err = readBody(resp.Body, c.maxBody())
+		resp.Body.Close()
+		resp.Body = io.NopCloser(bytes.NewReader(ex.Body))
+	}
+	ex.Sent = resp != nil || st.sent()
+	return ex, st
+}
+
+func (c *Caller) maxBody() int64 {
+	if c.MaxResponseBytes > 0 {
+		return c.MaxResponseBytes
+	}
+	return DefaultMaxResponseBytes
+}
+
+func readBody(r io.Reader, limit int64) ([]byte, error) {
+	body, err := io.ReadAll(io.LimitReader(r, limit+1))
+	if err != nil {
+		return body, err
+	}
+	if int64(len(body)) > limit {
+		return body[:limit], fmt.Errorf("%w: more than %d bytes", ErrResponseTooLarge, limit)
+	}
+	return body, nil
+}
+
+// classify applies the override, then the default, and completes the
+// verdict: codes and messages default, and a succeeded verdict gets its
+// external id from the body.
+func (c *Caller) classify(ex Exchange) (v Verdict, overridden bool) {
+	def := DefaultClassify(ex)
+	v = def
+	if c.Classify != nil {
+		if ov, ok := c.Classify(ex); ok {
+			v, overridden = ov, true
+			if !v.Outcome.Valid() {
+				v = Verdict{Outcome: OutcomeUnknown, Code: CodeInvalidVerdict,
+					Message: fmt.Sprintf("Classify returned outcome %q", ov.Outcome)}
+			}
+			if v.Outcome != OutcomeSucceeded {
+				if v.Code == "" {
+					v.Code = def.Code
+				}
+				if v.Code == "" {
+					v.Code = statusCode(ex)
+				}
+				if v.Message == "" {
+					v.Message = def.Message
+				}
+				if v.Message == "" {
+					v.Message = statusMessage(ex)
+				}
+			}
+		}
+	}
+	if v.Outcome == OutcomeSucceeded && v.ExternalID == "" {
+		extract := c.ExternalID
+		if extract == nil {
+			extract = defaultExternalID
+		}
+		id, err := extract(ex.Body)
+		if err != nil {
+			return Verdict{Outcome: OutcomeUnknown, Code: CodeMalformedBody,
+				Message: "external id: " + err.Error()}, overridden
+		}
+		v.ExternalID = id
+	}
+	return v, overridden
+}
+
+// DefaultClassify is the classification of SPEC §4:
+//
+//   - nothing sent (any failure before the transport had a connection):
+//     rejected, retryable, not_sent;
+//   - sent, then no response (timeout, reset, EOF, canceled): outcome_unknown;
+//   - 2xx whose body was read whole and, when it is or looks like JSON,
+//     parses: succeeded; otherwise outcome_unknown (truncated_body,
+//     malformed_body, body_too_large);
+//   - 429: rejected, retryable, rate_limited; 408 and 425: rejected,
+//     retryable; other 4xx: rejected;
+//   - 5xx (500, 502, 503, 504, ...), and any other status: outcome_unknown.
+func DefaultClassify(ex Exchange) Verdict {
+	if ex.Response == nil {
+		if ex.Err == nil {
+			return Verdict{Outcome: OutcomeUnknown, Code: CodeTransportError, Message: "no response and no error"}
+		}
+		msg := safeMessage(ex.Err, ex.Request)
+		if !ex.Sent {
+			return Verdict{Outcome: OutcomeRejected, Code: CodeNotSent, Message: msg, Retryable: true}
+		}
+		return Verdict{Outcome: OutcomeUnknown, Code: transportCode(ex.Err), Message: msg}
+	}
+	status := ex.Response.StatusCode
+	switch {
+	case status >= 200 && status <= 299:
+		switch {
+		case errors.Is(ex.Err, ErrResponseTooLarge):
+			return Verdict{Outcome: OutcomeUnknown, Code: CodeBodyTooLarge, Message: ex.Err.Error()}
+		case ex.Err != nil:
+			return Verdict{Outcome: OutcomeUnknown, Code: CodeTruncatedBody,
+				Message: fmt.Sprintf("%s after %d bytes: %s", statusMessage(ex), len(ex.Body), safeMessage(ex.Err, ex.Request))}
+		case looksJSON(ex.Response.Header.Get("Content-Type"), ex.Body) && !json.Valid(ex.Body):
+			return Verdict{Outcome: OutcomeUnknown, Code: CodeMalformedBody,
+				Message: fmt.Sprintf("%s with a body of %d bytes that is not valid JSON", statusMessage(ex), len(ex.Body))}
+		}
+		return Verdict{Outcome: OutcomeSucceeded}
+	case status == http.StatusTooManyRequests:
+		return Verdict{Outcome: OutcomeRejected, Code: CodeRateLimited, Message: statusMessage(ex), Retryable: true}
+	case status == http.StatusRequestTimeout || status == http.StatusTooEarly:
+		return Verdict{Outcome: OutcomeRejected, Code: statusCode(ex), Message: statusMessage(ex), Retryable: true}
+	case status >= 400 && status <= 499:
+		return Verdict{Outcome: OutcomeRejected, Code: statusCode(ex), Message: statusMessage(ex)}
+	}
+	return Verdict{Outcome: OutcomeUnknown, Code: statusCode(ex), Message: statusMessage(ex)}
+}
+
+func statusCode(ex Exchange) string {
+	if ex.Response == nil {
+		return CodeTransportError
+	}
+	return "http_" + strconv.Itoa(ex.Response.StatusCode)
+}
+
+func statusMessage(ex Exchange) string {
+	if ex.Response == nil {
+		return ""
+	}
+	s := ex.Response.StatusCode
+	return strings.TrimSpace(strconv.Itoa(s) + " " + http.StatusText(s))
+}
+
+func transportCode(err error) string {
+	var ne net.Error
+	switch {
+	case errors.Is(err, context.Canceled):
+		return CodeCanceled
+	case errors.Is(err, context.DeadlineExceeded), errors.As(err, &ne) && ne.Timeout():
+		return CodeTimeout
+	case errors.Is(err, syscall.ECONNRESET):
+		return CodeConnectionReset
+	case errors.Is(err, io.EOF), errors.Is(err, io.ErrUnexpectedEOF):
+		return CodeConnectionClosed
+	}
+	return CodeTransportError
+}
+
+// looksJSON reports whether a body should parse as JSON: its media type is
+// JSON, or it starts like a JSON object or array.
+func looksJSON(contentType string, body []byte) bool {
+	trimmed := bytes.TrimSpace(body)
+	if len(trimmed) == 0 {
+		return false
+	}
+	if mt, _, err := mime.ParseMediaType(contentType); err == nil &&
+		(mt == "application/json" || strings.HasSuffix(mt, "+json")) {
+		return true
+	}
+	return trimmed[0] == '{' || trimmed[0] == '['
+}
+
+const maxMessageBytes = 512
+
+// safeMessage renders err for the database: a *url.Error's URL loses its
+// user info, query and fragment, any remaining copy of the request URL's
+// query or user info is masked, and the text is bounded.
+func safeMessage(err error, req *http.Request) string {
+	msg := err.Error()
+	var ue *url.Error
+	if errors.As(err, &ue) {
+		msg = ue.Op + " " + strconv.Quote(redactURL(ue.URL)) + ": " + ue.Err.Error()
+	}
+	if req != nil && req.URL != nil {
+		if q := req.URL.RawQuery; q != "" {
+			msg = strings.ReplaceAll(msg, q, "[redacted]")
+		}
+		if u := req.URL.User; u != nil {
+			if s := u.String(); s != "" {
+				msg = strings.ReplaceAll(msg, s, "[redacted]")
+			}
+			if p, ok := u.Password(); ok && p != "" {
+				msg = strings.ReplaceAll(msg, p, "[redacted]")
+			}
+		}
+	}
+	if len(msg) > maxMessageBytes {
+		cut := maxMessageBytes
+		for cut > 0 && !utf8.RuneStart(msg[cut]) {
+			cut--
+		}
+		msg = msg[:cut] + "…"
+	}
+	return msg
+}
+
+func redactURL(raw string) string {
+	u, err := url.Parse(raw)
+	if err != nil {
+		return "[unparseable URL]"
+	}
+	u.User, u.RawQuery, u.ForceQuery, u.Fragment, u.RawFragment = nil, "", false, "", ""
+	return u.String()
+}
+
+// settle moves the submitted receipt per the verdict, with a context that
+// outlives ctx. It returns the error it recorded, if any.
+func (c *Caller) settle(ctx context.Context, r *Receipt, ex Exchange, v Verdict, overridden bool, st *sendStats) (*Receipt, *CallError, error) {
+	extra := map[string]any{"sent": ex.Sent}
+	if n := st.conns.Load(); n > 1 {
+		// The transport retried on another connection (see Do): the
+		// reconciler should look for a duplicate.
+		extra["transport_attempts"] = n
+	}
+	if st.reused.Load() {
+		extra["connection_reused"] = true
+	}
+	if overridden {
+		extra["classified_by"] = "override"
+	}
+	if ex.Response != nil {
+		if ra := ex.Response.Header.Get("Retry-After"); ra != "" && len(ra) <= 64 {
+			extra["retry_after"] = ra
+		}
+	}
+	d := Detail{Extra: extra}
+	var cause *CallError
+	if v.Outcome == OutcomeSucceeded {
+		ev := map[string]any{"source": "http_response"}
+		if s := ex.Status(); s != 0 {
+			ev["http_status"] = s
+		}
+		d.Evidence = ev
+	} else {
+		cause = &CallError{Code: v.Code, Message: v.Message, HTTPStatus: ex.Status(), Retryable: v.Retryable}
+		d.Error = cause
+	}
+	wctx, cancel := c.writeContext(ctx)
+	defer cancel()
+	var settled *Receipt
+	var err error
+	switch v.Outcome {
+	case OutcomeSucceeded:
+		settled, err = c.Ledger.Succeed(wctx, r, v.ExternalID, d)
+	case OutcomeRejected:
+		settled, err = c.Ledger.Reject(wctx, r, d)
+	default:
+		settled, err = c.Ledger.MarkUnknown(wctx, r, d)
+	}
+	return settled, cause, err
+}
+
+// ExternalIDAt returns an extractor, for Caller.ExternalID, of the string
+// or number at pointer (RFC 6901, e.g. "/data/id") in a JSON body. A body
+// that is empty or lacks the pointer's target (or holds null there) has no
+// id; a body that is not JSON, or a target that is neither a string nor a
+// number, is an error.
+func ExternalIDAt(pointer string) (func(body []byte) (string, error), error) {
+	tokens, err := parsePointer(pointer)
+	if err != nil {
+		return nil, err
+	}
+	return func(body []byte) (string, error) {
+		if len(bytes.TrimSpace(body)) == 0 {
+			return "", nil
+		}
+		if !json.Valid(body) {
+			return "", errors.New("response body is not valid JSON")
+		}
+		raw, ok := lookup(body, tokens)
+		if !ok {
+			return "", nil
+		}
+		id, ok := scalarID(raw)
+		if !ok {
+			return "", fmt.Errorf("the value at %q is not a string or number", pointer)
+		}
+		return id, nil
+	}, nil
+}
+
+// defaultExternalID is the top-level "id" of a JSON object; any other body
+// (not JSON, not an object, no scalar "id") has none. Whether a 2xx body
+// that looks like JSON parses is the classification's concern.
+func defaultExternalID(body []byte) (string, error) {
+	if !json.Valid(body) {
+		return "", nil
+	}
+	raw, ok := lookup(body, []string{"id"})
+	if !ok {
+		return "", nil
+	}
+	id, _ := scalarID(raw)
+	return id, nil
+}
+
+func parsePointer(p string) ([]string, error) {
+	if p == "" {
+		return nil, nil
+	}
+	if !strings.HasPrefix(p, "/") {
+		return nil, fmt.Errorf("ledger: JSON pointer %q does not start with /", p)
+	}
+	parts := strings.Split(p[1:], "/")
+	for i, t := range parts {
+		for j := 0; j < len(t); j++ {
+			if t[j] == '~' && (j+1 == len(t) || (t[j+1] != '0' && t[j+1] != '1')) {
+				return nil, fmt.Errorf("ledger: JSON pointer %q: bad escape in %q", p, t)
+			}
+		}
+		parts[i] = strings.ReplaceAll(strings.ReplaceAll(t, "~1", "/"), "~0", "~")
+	}
+	return parts, nil
+}
+
+// lookup resolves tokens in a valid JSON document.
+func lookup(doc []byte, tokens []string) (json.RawMessage, bool) {
+	cur := json.RawMessage(doc)
+	for _, tok := range tokens {
+		trimmed := bytes.TrimSpace(cur)
+		if len(trimmed) == 0 {
+			return nil, false
+		}
+		switch trimmed[0] {
+		case '{':
+			var obj map[string]json.RawMessage
+			if json.Unmarshal(trimmed, &obj) != nil {
+				return nil, false
+			}
+			next, ok := obj[tok]
+			if !ok {
+				return nil, false
+			}
+			cur = next
+		case '[':
+			var arr []json.RawMessage
+			if json.Unmarshal(trimmed, &arr) != nil {
+				return nil, false
+			}
+			i, err := strconv.Atoi(tok)
+			if err != nil || i < 0 || i >= len(arr) || (len(tok) > 1 && tok[0] == '0') {
+				return nil, false
+			}
+			cur = arr[i]
+		default:
+			return nil, false
+		}
+	}
+	cur = bytes.TrimSpace(cur)
+	if string(cur) == "null" {
+		return nil, false
+	}
+	return cur, true
+}
+
+// scalarID renders a JSON string (unquoted) or number (its literal text).
+func scalarID(raw json.RawMessage) (string, bool) {
+	if len(raw) == 0 {
+		return "", false
+	}
+	switch c := raw[0]; {
+	case c == '"':
+		var s string
+		if json.Unmarshal(raw, &s) != nil {
+			return "", false
+		}
+		return s, true
+	case c == '-' || (c >= '0' && c <= '9'):
+		return string(raw), true
+	}
+	return "", false
+}
+
+func closeBody(req *http.Request) {
+	if req != nil && req.Body != nil {
+		req.Body.Close()
+	}
+}
