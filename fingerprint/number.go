@@ -120,6 +120,12 @@ func sameValue(a, b string) bool {
 
 // exactCanonical returns the canonical form of the JSON number text, and
 // whether that form denotes exactly the same value as the text.
+//
+// The comparison is between two decimal numerals, the text and its canonical
+// form, not between the text and the binary value of the double: the double
+// nearest 0.1 is 0.1000000000000000055511151231257827..., so comparing with
+// it would refuse 0.1, 19.99 and nearly every other decimal fraction, while
+// the canonical form "0.1" denotes exactly what the caller sent.
 func exactCanonical(text string) (canonical string, exact bool, err error) {
 	f, err := parseNumber(text)
 	if err != nil {

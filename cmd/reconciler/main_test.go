@@ -11,8 +11,8 @@ import (
 
 func TestMain(m *testing.M) { pgtest.Main(m) }
 
-// cli runs the command line in-process and returns its exit status and output.
-func cli(t *testing.T, stdin string, args ...string) (int, string, string) {
+// runCLI runs the command line in-process and returns its exit status and output.
+func runCLI(t *testing.T, stdin string, args ...string) (int, string, string) {
 	t.Helper()
 	var out, errOut bytes.Buffer
 	code := run(context.Background(), append([]string{"reconciler"}, args...), strings.NewReader(stdin), &out, &errOut)
@@ -32,14 +32,14 @@ func TestMigrate(t *testing.T) {
 		{[]string{"migrate", "--database-url", url, "up"}, 0, "up to date"},
 	}
 	for _, s := range steps {
-		code, out, errOut := cli(t, "", s.args...)
+		code, out, errOut := runCLI(t, "", s.args...)
 		if code != s.code || !strings.Contains(out, s.contains) {
 			t.Fatalf("%v: exit %d, stdout %q, stderr %q; want exit %d and %q", s.args, code, out, errOut, s.code, s.contains)
 		}
 	}
 	// Roll everything back, then forward again: the down migrations work.
 	for {
-		code, out, errOut := cli(t, "", "migrate", "--database-url", url, "down")
+		code, out, errOut := runCLI(t, "", "migrate", "--database-url", url, "down")
 		if code != 0 {
 			if !strings.Contains(errOut, "no migrations to rollback") && !strings.Contains(errOut, "no migration") {
 				t.Fatalf("down: exit %d: %s %s", code, out, errOut)
@@ -47,10 +47,10 @@ func TestMigrate(t *testing.T) {
 			break
 		}
 	}
-	if code, out, errOut := cli(t, "", "migrate", "--database-url", url, "status"); code != 0 || strings.Contains(out, "applied ") {
+	if code, out, errOut := runCLI(t, "", "migrate", "--database-url", url, "status"); code != 0 || strings.Contains(out, "applied ") {
 		t.Fatalf("status after rolling back: exit %d %q %q", code, out, errOut)
 	}
-	if code, _, errOut := cli(t, "", "migrate", "--database-url", url, "up"); code != 0 {
+	if code, _, errOut := runCLI(t, "", "migrate", "--database-url", url, "up"); code != 0 {
 		t.Fatalf("up again: %s", errOut)
 	}
 }
@@ -67,7 +67,7 @@ func TestUsageErrors(t *testing.T) {
 		{[]string{"migrate", "--database-url", "postgres://127.0.0.1:1/x?connect_timeout=2", "up"}, 1},
 	}
 	for _, tt := range tests {
-		code, _, errOut := cli(t, "", tt.args...)
+		code, _, errOut := runCLI(t, "", tt.args...)
 		if code != tt.code || strings.Count(strings.TrimSpace(errOut), "\n") > 0 && tt.code == 1 {
 			t.Errorf("%v: exit %d (stderr %q), want %d with a one-line error", tt.args, code, errOut, tt.code)
 		}

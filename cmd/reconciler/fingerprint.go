@@ -1,0 +1,158 @@
+package main
+
+import (
+	"errors"
+	"fmt"
+	"io"
+	"math"
+	"strings"
+
+	"github.com/urfave/cli/v2"
+
+	"github.com/receiptledger/reconciler/fingerprint"
+)
+
+// Exit statuses of the fingerprint commands.
+const (
+	exitBadInput = 1 // the payload or document was refused
+	exitUsage    = 2 // missing or malformed flags and arguments
+)
+
+// fingerprintCommand is `reconciler fingerprint`: the intent fingerprint of
+// the JSON payload on stdin, and `reconciler fingerprint canonicalize`: the
+// RFC 8785 form of the JSON document on stdin.
+func fingerprintCommand() *cli.Command {
+	return &cli.Command{
+		Name:  "fingerprint",
+		Usage: "print the intent fingerprint of the JSON payload read from stdin",
+		UsageText: "reconciler fingerprint --method M --target T [--drop /pointer ...] [--secret /pointer ...] [--max-bytes N] < payload.json\n" +
+			"reconciler fingerprint canonicalize < doc.json",
+		Description: "Prints sha256:<64 hex>, the SHA-256 of the RFC 8785 canonical JSON of\n" +
+			`{"method": UPPER(M), "target": T, "payload": payload}` + ", followed by a newline.\n" +
+			"--drop leaves a volatile field (RFC 6901 JSON pointer into the payload) out of the\n" +
+			"fingerprint; --secret marks a field whose value is stored redacted (the fingerprint\n" +
+			"still covers it; it makes no difference to the printed fingerprint). Both may repeat;\n" +
+			"a pointer that matches nothing is ignored. Numbers that RFC 8785 would round\n" +
+			"(9007199254740993, 0.10000000000000001), duplicate keys and invalid UTF-8 are refused.\n" +
+			"Exit status: 0 success, 1 refused input, 2 usage error.",
+		Flags: []cli.Flag{
+			&cli.StringFlag{Name: "method", Usage: "HTTP method of the call (upper-cased)"},
+			&cli.StringFlag{Name: "target", Usage: "target of the call, e.g. the request path"},
+			&cli.GenericFlag{Name: "drop", Usage: "JSON pointer of a volatile field to leave out (repeatable)", Value: &pointerList{}},
+			&cli.GenericFlag{Name: "secret", Usage: "JSON pointer of a secret field (repeatable)", Value: &pointerList{}},
+			&cli.IntFlag{Name: "max-bytes", Usage: "largest payload accepted, in bytes; 0 for no limit", Value: fingerprint.DefaultMaxBytes},
+		},
+		HideHelpCommand: true,
+		OnUsageError:    usageError,
+		Action:          runFingerprint,
+		Subcommands: []*cli.Command{
+			{
+				Name:      "canonicalize",
+				Usage:     "print the RFC 8785 canonical form of the JSON document read from stdin",
+				UsageText: "reconciler fingerprint canonicalize < doc.json",
+				Description: "Prints exactly the canonical bytes, with no trailing newline, so that the output\n" +
+					"can be hashed or compared as is. Refuses only what RFC 8785 refuses: invalid JSON,\n" +
+					"invalid UTF-8 or lone surrogates, duplicate keys, numbers beyond the double range.\n" +
+					"Exit status: 0 success, 1 refused input, 2 usage error.",
+				OnUsageError: usageError,
+				Action:       runCanonicalize,
+			},
+		},
+	}
+}
+
+func runFingerprint(c *cli.Context) error {
+	if c.Args().Present() {
+		return cli.Exit(fmt.Sprintf("fingerprint: unexpected argument %q", c.Args().First()), exitUsage)
+	}
+	method, target := c.String("method"), c.String("target")
+	if method == "" {
+		return cli.Exit("fingerprint: --method is required", exitUsage)
+	}
+	if target == "" {
+		return cli.Exit("fingerprint: --target is required", exitUsage)
+	}
+	maxBytes := c.Int("max-bytes")
+	if maxBytes < 0 {
+		return cli.Exit("fingerprint: --max-bytes must not be negative", exitUsage)
+	}
+
+	payload, err := readInput(c.App.Reader, maxBytes)
+	if err != nil {
+		return cli.Exit(fmt.Sprintf("fingerprint: reading stdin: %v", err), exitBadInput)
+	}
+	if maxBytes > 0 && len(payload) > maxBytes {
+		// readInput stopped one byte past the limit; say so rather than
+		// report that truncated length as the payload's size.
+		return cli.Exit(fmt.Sprintf("%v: more than %d bytes on stdin (see --max-bytes)", fingerprint.ErrTooLarge, maxBytes), exitBadInput)
+	}
+	res, err := fingerprint.Compute(method, target, payload,
+		fingerprint.WithDrop(pointers(c, "drop")...),
+		fingerprint.WithSecret(pointers(c, "secret")...),
+		fingerprint.WithMaxBytes(maxBytes),
+	)
+	if err != nil {
+		code := exitBadInput
+		if errors.Is(err, fingerprint.ErrInvalidMethod) || errors.Is(err, fingerprint.ErrInvalidTarget) ||
+			errors.Is(err, fingerprint.ErrInvalidPointer) {
+			code = exitUsage
+		}
+		return cli.Exit(err.Error(), code)
+	}
+	_, err = fmt.Fprintln(c.App.Writer, res.Fingerprint)
+	return err
+}
+
+func runCanonicalize(c *cli.Context) error {
+	if c.Args().Present() {
+		return cli.Exit(fmt.Sprintf("fingerprint canonicalize: unexpected argument %q", c.Args().First()), exitUsage)
+	}
+	doc, err := readInput(c.App.Reader, 0)
+	if err != nil {
+		return cli.Exit(fmt.Sprintf("fingerprint canonicalize: reading stdin: %v", err), exitBadInput)
+	}
+	out, err := fingerprint.Canonicalize(doc)
+	if err != nil {
+		return cli.Exit(err.Error(), exitBadInput)
+	}
+	_, err = c.App.Writer.Write(out)
+	return err
+}
+
+// readInput reads r to the end, but no more than one byte past maxBytes
+// (when positive): enough for the size check to refuse an oversized payload
+// without holding all of it.
+func readInput(r io.Reader, maxBytes int) ([]byte, error) {
+	if maxBytes > 0 && maxBytes < math.MaxInt {
+		r = io.LimitReader(r, int64(maxBytes)+1)
+	}
+	return io.ReadAll(r)
+}
+
+// usageError turns a flag parsing error into exit status 2.
+func usageError(_ *cli.Context, err error, _ bool) error {
+	return cli.Exit("fingerprint: "+err.Error(), exitUsage)
+}
+
+// pointers returns the values of a repeatable pointer flag.
+func pointers(c *cli.Context, name string) []string {
+	if list, ok := c.Generic(name).(*pointerList); ok {
+		return *list
+	}
+	return nil
+}
+
+// pointerList is a repeatable flag value. Unlike cli.StringSliceFlag it never
+// splits a value on commas, which may appear in JSON pointers ("/a,b").
+type pointerList []string
+
+// Set appends one flag value.
+func (l *pointerList) Set(v string) error {
+	*l = append(*l, v)
+	return nil
+}
+
+// String returns the values joined for help output.
+func (l *pointerList) String() string {
+	return strings.Join(*l, " ")
+}
