@@ -78,10 +78,14 @@ func BenchmarkLifecycle(b *testing.B) {
 			}
 			ctx := context.Background()
 			var seq atomic.Int64
-			payload := json.RawMessage(`{"title":"Outcome unknown","body":"An agent calls an external API.","tags":["a","b"]}`)
 			runAgents(b, agents, func(lat *[]time.Duration) error {
-				in := ledger.Intent{IdempotencyKey: fmt.Sprintf("k-%d", seq.Add(1)), Operation: "articles.create",
-					Dependency: "blog-api", Method: "POST", Target: "/api/articles", Payload: payload, AllowDuplicate: true}
+				// Distinct intents with the duplicate guard on, as agents
+				// doing different work would plan them.
+				n := seq.Add(1)
+				payload := json.RawMessage(fmt.Sprintf(
+					`{"title":"Outcome unknown %d","body":"An agent calls an external API.","tags":["a","b"]}`, n))
+				in := ledger.Intent{IdempotencyKey: fmt.Sprintf("k-%d", n), Operation: "articles.create",
+					Dependency: "blog-api", Method: "POST", Target: "/api/articles", Payload: payload}
 				var r *ledger.Receipt
 				steps := []func() error{
 					func() (err error) { r, err = c.Plan(ctx, in); return err },
