@@ -21,14 +21,15 @@
 // are accepted because their canonical forms 1, 100 and 0 denote the same
 // values.
 //
-// Canonicalize is plain RFC 8785 and refuses only what the RFC refuses. The
-// canonical transform itself is github.com/gowebpki/jcs; this package parses
-// the input first with encoding/json to report refusals as typed errors with
-// the JSON pointer of the offending value, and to apply normalization.
+// Canonicalize is plain RFC 8785 and refuses only what the RFC refuses.
+// Parsing and canonical serialization are this package's own, in one pass
+// each over the bytes, so that refusals are typed errors with the JSON pointer
+// of the offending value and normalization applies to the parsed tree; the
+// tests check the output against github.com/gowebpki/jcs, a reference RFC
+// 8785 implementation.
 package fingerprint
 
 import (
-	"bytes"
 	"crypto/sha256"
 	"encoding/hex"
 	"fmt"
@@ -70,6 +71,9 @@ type settings struct {
 	drop     []string
 	secret   []string
 	maxBytes int
+	// pointers is the initial storage of drop and secret: cfg escapes to
+	// the heap through the option calls, so a few pointers cost nothing more.
+	pointers [8]string
 }
 
 // WithDrop names volatile fields, by RFC 6901 JSON pointer into the payload
@@ -113,14 +117,14 @@ func WithMaxBytes(n int) Option {
 // (ErrInvalidMethod), and an empty or non-UTF-8 target (ErrInvalidTarget).
 func Compute(method, target string, payload []byte, opts ...Option) (Result, error) {
 	cfg := settings{maxBytes: DefaultMaxBytes}
+	cfg.drop, cfg.secret = cfg.pointers[:0:4], cfg.pointers[4:4:8]
 	for _, opt := range opts {
 		if opt != nil {
 			opt(&cfg)
 		}
 	}
 
-	upper, err := normalizeMethod(method)
-	if err != nil {
+	if err := checkMethod(method); err != nil {
 		return Result{}, err
 	}
 	if target == "" {
@@ -132,45 +136,64 @@ func Compute(method, target string, payload []byte, opts ...Option) (Result, err
 	if cfg.maxBytes > 0 && len(payload) > cfg.maxBytes {
 		return Result{}, fmt.Errorf("%w: %d bytes, the limit is %d", ErrTooLarge, len(payload), cfg.maxBytes)
 	}
-	drops, err := parsePointers(cfg.drop, false)
-	if err != nil {
-		return Result{}, err
+	for _, ptr := range cfg.drop {
+		if ptr == "" {
+			return Result{}, fmt.Errorf("%w: \"\" would drop the whole payload", ErrInvalidPointer)
+		}
+		if err := validatePointer(ptr); err != nil {
+			return Result{}, err
+		}
 	}
-	secrets, err := parsePointers(cfg.secret, true)
-	if err != nil {
-		return Result{}, err
+	for _, ptr := range cfg.secret {
+		if err := validatePointer(ptr); err != nil {
+			return Result{}, err
+		}
 	}
 
-	root, err := parse(payload, true)
+	p := getParser()
+	defer p.release()
+	root, err := p.parse(payload, true)
 	if err != nil {
 		return Result{}, err
 	}
-	for _, tokens := range drops {
-		if n := resolve(root, tokens); n != nil {
+	// All pointers are resolved before anything is dropped.
+	for _, ptr := range cfg.drop {
+		if n := resolvePointer(root, ptr); n != nil {
 			n.drop = true
 		}
 	}
-	redacted := false
-	for _, tokens := range secrets {
-		if n := resolve(root, tokens); n != nil && !n.drop {
+	for _, ptr := range cfg.secret {
+		if n := resolvePointer(root, ptr); n != nil && !n.drop {
 			n.secret = true
-			redacted = true
 		}
 	}
 
-	// One buffer is reused for both serializations; capacity grows once.
-	buf := bytes.NewBuffer(make([]byte, 0, len(payload)+len(upper)+len(target)+48))
-	full, err := canonicalIntent(buf, upper, target, root, false)
-	if err != nil {
-		return Result{}, err
-	}
-	sum := sha256.Sum256(full)
-	res := Result{Fingerprint: Prefix + hex.EncodeToString(sum[:]), Intent: full}
-	if redacted {
-		buf.Reset()
-		if res.Intent, err = canonicalIntent(buf, upper, target, root, true); err != nil {
-			return Result{}, err
+	// The canonical intent with real values, written once; the byte ranges
+	// of secret values are noted on the way so that the redacted intent is a
+	// copy with those ranges replaced.
+	w := writer{buf: make([]byte, 0, len(payload)+len(method)+len(target)+32), secrets: p.spans[:0]}
+	defer func() { p.spans = w.secrets[:0] }()
+	w.buf = append(w.buf, `{"method":"`...)
+	for i := 0; i < len(method); i++ {
+		c := method[i]
+		if c >= 'a' && c <= 'z' {
+			c -= 'a' - 'A'
 		}
+		w.buf = append(w.buf, c)
+	}
+	w.buf = append(w.buf, `","payload":`...)
+	w.value(root)
+	w.buf = append(w.buf, `,"target":`...)
+	w.buf = appendString(w.buf, target)
+	w.buf = append(w.buf, '}')
+
+	sum := sha256.Sum256(w.buf)
+	var fp [len(Prefix) + 2*sha256.Size]byte
+	copy(fp[:], Prefix)
+	hex.Encode(fp[len(Prefix):], sum[:])
+	res := Result{Fingerprint: string(fp[:]), Intent: w.buf}
+	if len(w.secrets) > 0 {
+		res.Intent = w.redacted()
 	}
 	return res, nil
 }
@@ -191,36 +214,35 @@ func Compute(method, target string, payload []byte, opts ...Option) (Result, err
 //
 // The output has no insignificant whitespace and no trailing newline.
 func Canonicalize(data []byte) ([]byte, error) {
-	if _, err := parse(data, false); err != nil {
+	p := getParser()
+	defer p.release()
+	// The scanner gives typed errors for what the RFC refuses; the
+	// canonical bytes of the public, language-neutral command come from
+	// gowebpki/jcs, the reference implementation the fast path of Compute is
+	// fuzzed against.
+	if _, err := p.parse(data, false); err != nil {
 		return nil, err
 	}
-	return transform(data)
-}
-
-// transform runs the jcs canonicalizer on JSON text that parse accepted.
-func transform(data []byte) ([]byte, error) {
 	out, err := jcs.Transform(data)
 	if err != nil {
-		// Unreachable unless jcs refuses text that encoding/json and this
-		// package's I-JSON checks accept; reported rather than hidden.
-		return nil, fmt.Errorf("%w: canonicalizer refused validated input: %v", ErrInvalidJSON, err)
+		return nil, fmt.Errorf("%w: %v", ErrInvalidJSON, err)
 	}
 	return out, nil
 }
 
-// normalizeMethod upper-cases an HTTP method after checking that it is a
-// token (RFC 9110 §5.6.2). Tokens are ASCII, so the result is the same in
-// every language.
-func normalizeMethod(method string) (string, error) {
+// checkMethod checks that an HTTP method is a token (RFC 9110 §5.6.2).
+// Tokens are ASCII, so upper-casing them gives the same result in every
+// language.
+func checkMethod(method string) error {
 	if method == "" {
-		return "", fmt.Errorf("%w: empty", ErrInvalidMethod)
+		return fmt.Errorf("%w: empty", ErrInvalidMethod)
 	}
 	for i := 0; i < len(method); i++ {
 		if !isTokenChar(method[i]) {
-			return "", fmt.Errorf("%w: %s is not an HTTP token", ErrInvalidMethod, quoteForError(method))
+			return fmt.Errorf("%w: %s is not an HTTP token", ErrInvalidMethod, quoteForError(method))
 		}
 	}
-	return strings.ToUpper(method), nil
+	return nil
 }
 
 // isTokenChar reports whether c is an RFC 9110 tchar.
@@ -230,109 +252,4 @@ func isTokenChar(c byte) bool {
 		return true
 	}
 	return strings.IndexByte("!#$%&'*+-.^_`|~", c) >= 0
-}
-
-// parsePointers parses every pointer, refusing the whole-payload pointer ""
-// unless allowRoot.
-func parsePointers(pointers []string, allowRoot bool) ([][]string, error) {
-	out := make([][]string, 0, len(pointers))
-	for _, ptr := range pointers {
-		if ptr == "" && !allowRoot {
-			return nil, fmt.Errorf("%w: \"\" would drop the whole payload", ErrInvalidPointer)
-		}
-		tokens, err := parsePointer(ptr)
-		if err != nil {
-			return nil, err
-		}
-		out = append(out, tokens)
-	}
-	return out, nil
-}
-
-// canonicalIntent serializes the intent envelope into buf (compact, members
-// in any order) and returns its RFC 8785 canonical form.
-func canonicalIntent(buf *bytes.Buffer, method, target string, payload *node, redact bool) ([]byte, error) {
-	buf.WriteString(`{"method":`)
-	writeString(buf, method)
-	buf.WriteString(`,"target":`)
-	writeString(buf, target)
-	buf.WriteString(`,"payload":`)
-	writeNode(buf, payload, redact)
-	buf.WriteByte('}')
-	return transform(buf.Bytes())
-}
-
-// writeNode writes n as compact JSON, leaving out dropped members and
-// elements, and writing RedactedMarker for secret values when redact is set.
-// Numbers are written with their input text: the canonicalizer formats them.
-func writeNode(buf *bytes.Buffer, n *node, redact bool) {
-	if redact && n.secret {
-		writeString(buf, RedactedMarker)
-		return
-	}
-	switch n.kind {
-	case kindNull:
-		buf.WriteString("null")
-	case kindBool, kindNumber:
-		buf.WriteString(n.text)
-	case kindString:
-		writeString(buf, n.text)
-	case kindArray:
-		buf.WriteByte('[')
-		first := true
-		for _, e := range n.elems {
-			if e.drop {
-				continue
-			}
-			if !first {
-				buf.WriteByte(',')
-			}
-			first = false
-			writeNode(buf, e, redact)
-		}
-		buf.WriteByte(']')
-	case kindObject:
-		buf.WriteByte('{')
-		first := true
-		for _, m := range n.members {
-			if m.value.drop {
-				continue
-			}
-			if !first {
-				buf.WriteByte(',')
-			}
-			first = false
-			writeString(buf, m.name)
-			buf.WriteByte(':')
-			writeNode(buf, m.value, redact)
-		}
-		buf.WriteByte('}')
-	}
-}
-
-// writeString writes s (valid UTF-8) as a JSON string literal, escaping only
-// what JSON requires.
-func writeString(buf *bytes.Buffer, s string) {
-	const hexDigits = "0123456789abcdef"
-	buf.WriteByte('"')
-	start := 0
-	for i := 0; i < len(s); i++ {
-		c := s[i]
-		if c >= 0x20 && c != '"' && c != '\\' {
-			continue
-		}
-		buf.WriteString(s[start:i])
-		switch c {
-		case '"', '\\':
-			buf.WriteByte('\\')
-			buf.WriteByte(c)
-		default:
-			buf.WriteString(`\u00`)
-			buf.WriteByte(hexDigits[c>>4])
-			buf.WriteByte(hexDigits[c&0xF])
-		}
-		start = i + 1
-	}
-	buf.WriteString(s[start:])
-	buf.WriteByte('"')
 }

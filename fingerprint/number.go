@@ -4,16 +4,75 @@ import (
 	"errors"
 	"math"
 	"strconv"
-
-	"github.com/gowebpki/jcs"
 )
 
 // formatNumber returns the RFC 8785 §3.2.2.3 (ECMAScript Number.toString)
-// serialization of f. It is the same function that jcs.Transform applies to
-// every number, so the tests that pin it (the ES6 number sequence) pin the
-// canonicalizer's output too.
+// serialization of f, refusing NaN and the infinities, which have none. It is
+// appendNumber, which writes every number of the canonical output; the tests
+// pin it with the ES6 number sequence and compare it with jcs.NumberToJSON,
+// the formatter of github.com/gowebpki/jcs.
 func formatNumber(f float64) (string, error) {
-	return jcs.NumberToJSON(f)
+	if math.IsNaN(f) || math.IsInf(f, 0) {
+		return "", errors.New("fingerprint: " + strconv.FormatFloat(f, 'g', -1, 64) + " has no JSON form")
+	}
+	var scratch [32]byte
+	return string(appendNumber(scratch[:0], f)), nil
+}
+
+// appendNumber appends the RFC 8785 serialization of the finite double f:
+// the shortest digits that round-trip (as ECMAScript chooses them), in plain
+// notation for magnitudes in [1e-6, 1e21) and in exponent notation otherwise,
+// with "e+" or "e-" and no leading zeros in the exponent, and 0 for -0.
+func appendNumber(dst []byte, f float64) []byte {
+	if f == 0 { // 0 and -0
+		return append(dst, '0')
+	}
+	if f < 0 {
+		dst = append(dst, '-')
+		f = -f
+	}
+	if f >= 1e-6 && f < 1e21 {
+		return strconv.AppendFloat(dst, f, 'f', -1, 64)
+	}
+	start := len(dst)
+	dst = strconv.AppendFloat(dst, f, 'e', -1, 64)
+	// Go writes at least two exponent digits ("1e+09"); ECMAScript does not.
+	for i := len(dst) - 1; i > start; i-- {
+		if dst[i] == 'e' {
+			if dst[i+2] == '0' {
+				dst = append(dst[:i+2], dst[i+3:]...)
+			}
+			break
+		}
+	}
+	return dst
+}
+
+// plainInt recognizes number text that is already canonical and exact: an
+// integer of at most 15 digits without leading zeros (every such integer is
+// below 2^53, so it is a double, and ECMAScript writes it digit for digit).
+// "-0" is not plain: its canonical form is "0".
+func plainInt(text string) (float64, bool) {
+	i := 0
+	if i < len(text) && text[i] == '-' {
+		i++
+	}
+	digits := len(text) - i
+	if digits < 1 || digits > 15 || (text[i] == '0' && (digits > 1 || i > 0)) {
+		return 0, false
+	}
+	var v int64
+	for ; i < len(text); i++ {
+		c := text[i]
+		if !isDigit(c) {
+			return 0, false
+		}
+		v = v*10 + int64(c-'0')
+	}
+	if text[0] == '-' {
+		v = -v
+	}
+	return float64(v), true
 }
 
 // parseNumber converts JSON number text to the IEEE 754 double it denotes

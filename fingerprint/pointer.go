@@ -8,49 +8,57 @@ import (
 
 // parsePointer splits an RFC 6901 JSON pointer into its unescaped reference
 // tokens. The empty pointer refers to the whole document and yields no
-// tokens.
+// tokens. (Compute validates and resolves pointers without splitting them:
+// validatePointer and resolvePointer.)
 func parsePointer(s string) ([]string, error) {
-	if s == "" {
-		return nil, nil
-	}
-	if !utf8.ValidString(s) {
-		return nil, fmt.Errorf("%w: %s is not valid UTF-8", ErrInvalidPointer, quoteForError(s))
-	}
-	if s[0] != '/' {
-		return nil, fmt.Errorf("%w: %s must be empty or start with '/'", ErrInvalidPointer, quoteForError(s))
+	if err := validatePointer(s); err != nil || s == "" {
+		return nil, err
 	}
 	tokens := strings.Split(s[1:], "/")
 	for i, tok := range tokens {
-		if !strings.Contains(tok, "~") {
-			continue
+		if strings.IndexByte(tok, '~') >= 0 {
+			tokens[i] = unescapeToken(tok)
 		}
-		var b strings.Builder
-		for j := 0; j < len(tok); j++ {
-			if tok[j] != '~' {
-				b.WriteByte(tok[j])
-				continue
-			}
-			if j+1 >= len(tok) || (tok[j+1] != '0' && tok[j+1] != '1') {
-				return nil, fmt.Errorf("%w: %s: '~' must be followed by '0' or '1'", ErrInvalidPointer, quoteForError(s))
-			}
-			if tok[j+1] == '0' {
-				b.WriteByte('~')
-			} else {
-				b.WriteByte('/')
-			}
-			j++
-		}
-		tokens[i] = b.String()
 	}
 	return tokens, nil
 }
 
-// resolve returns the node the reference tokens point to, or nil when there is
-// none: a missing member, an index past the end, "-", or a token that is not
-// an RFC 6901 array index applied to an array.
-func resolve(root *node, tokens []string) *node {
+// validatePointer checks that s is an RFC 6901 JSON pointer, with the errors
+// of parsePointer, without allocating.
+func validatePointer(s string) error {
+	if s == "" {
+		return nil
+	}
+	if !utf8.ValidString(s) {
+		return fmt.Errorf("%w: %s is not valid UTF-8", ErrInvalidPointer, quoteForError(s))
+	}
+	if s[0] != '/' {
+		return fmt.Errorf("%w: %s must be empty or start with '/'", ErrInvalidPointer, quoteForError(s))
+	}
+	for j := 0; j < len(s); j++ {
+		if s[j] == '~' && (j+1 >= len(s) || (s[j+1] != '0' && s[j+1] != '1')) {
+			return fmt.Errorf("%w: %s: '~' must be followed by '0' or '1'", ErrInvalidPointer, quoteForError(s))
+		}
+	}
+	return nil
+}
+
+// resolvePointer returns the node the valid JSON pointer ptr refers to, or
+// nil when there is none: a missing member, an index past the end, "-", or a
+// token that is not an RFC 6901 array index applied to an array.
+func resolvePointer(root *node, ptr string) *node {
 	n := root
-	for _, tok := range tokens {
+	for ptr != "" {
+		ptr = ptr[1:] // the '/' before each token
+		tok := ptr
+		if i := strings.IndexByte(ptr, '/'); i >= 0 {
+			tok, ptr = ptr[:i], ptr[i:]
+		} else {
+			ptr = ""
+		}
+		if strings.IndexByte(tok, '~') >= 0 {
+			tok = unescapeToken(tok)
+		}
 		switch n.kind {
 		case kindObject:
 			var next *node
@@ -75,6 +83,26 @@ func resolve(root *node, tokens []string) *node {
 		}
 	}
 	return n
+}
+
+// unescapeToken decodes "~1" as '/' and "~0" as '~' in a reference token
+// whose escapes are valid.
+func unescapeToken(tok string) string {
+	var b strings.Builder
+	b.Grow(len(tok))
+	for j := 0; j < len(tok); j++ {
+		if tok[j] != '~' {
+			b.WriteByte(tok[j])
+			continue
+		}
+		if tok[j+1] == '0' {
+			b.WriteByte('~')
+		} else {
+			b.WriteByte('/')
+		}
+		j++
+	}
+	return b.String()
 }
 
 // arrayIndex parses an RFC 6901 array-index: "0", or digits without a
