@@ -11,6 +11,7 @@ import (
 	"io"
 	"os"
 	"os/signal"
+	"strings"
 	"syscall"
 
 	"github.com/urfave/cli/v2"
@@ -32,15 +33,21 @@ func run(ctx context.Context, args []string, stdin io.Reader, stdout, stderr io.
 	}
 	var ec cli.ExitCoder
 	if errors.As(err, &ec) {
-		if msg := err.Error(); msg != "" {
+		if msg := oneLine(err.Error()); msg != "" {
 			fmt.Fprintln(stderr, "reconciler: "+msg)
 		}
 		return ec.ExitCode()
 	}
 	// Anything urfave/cli returns unwrapped is a usage error (unknown
 	// flag, missing required flag, unknown command).
-	fmt.Fprintln(stderr, "reconciler: "+err.Error())
+	fmt.Fprintln(stderr, "reconciler: "+oneLine(err.Error()))
 	return 2
+}
+
+// oneLine folds a multi-line error (pgx lists every address it tried on a
+// line of its own) into the one line a script can log or grep.
+func oneLine(msg string) string {
+	return strings.Join(strings.Fields(msg), " ")
 }
 
 func newApp(stdin io.Reader, stdout, stderr io.Writer) *cli.App {
@@ -64,9 +71,11 @@ func newApp(stdin io.Reader, stdout, stderr io.Writer) *cli.App {
 		Commands: []*cli.Command{
 			migrateCommand(),
 			fingerprintCommand(),
+			demoCommand(),
 			runCommand(),
 			statsCommand(),
 			benchCommand(),
+			adaptersCommand(),
 		},
 	}
 }

@@ -1,9 +1,11 @@
 package main
 
 import (
+	"errors"
 	"fmt"
 
 	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/pressly/goose/v3"
 	"github.com/urfave/cli/v2"
 
 	"github.com/receiptledger/reconciler/migrations"
@@ -11,6 +13,9 @@ import (
 
 func migrateCommand() *cli.Command {
 	withProvider := func(c *cli.Context, f func(c *cli.Context, pool *pgxpool.Pool) error) error {
+		if c.String("database-url") == "" {
+			return cli.Exit("migrate: --database-url (or RECONCILER_DATABASE_URL) is empty", 2)
+		}
 		pool, err := pgxpool.New(c.Context, c.String("database-url"))
 		if err != nil {
 			return cli.Exit(fmt.Sprintf("migrate: %v", err), 1)
@@ -51,6 +56,9 @@ func migrateCommand() *cli.Command {
 							return err
 						}
 						res, err := p.Down(c.Context)
+						if errors.Is(err, goose.ErrNoNextVersion) {
+							return errors.New("nothing to roll back: no migration is applied")
+						}
 						if err != nil {
 							return err
 						}

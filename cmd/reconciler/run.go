@@ -1,0 +1,254 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"net"
+	"net/http"
+	"os"
+	"sort"
+	"strconv"
+	"time"
+
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/collectors"
+	"github.com/prometheus/client_golang/prometheus/promhttp"
+	"github.com/urfave/cli/v2"
+	"golang.org/x/time/rate"
+
+	"github.com/receiptledger/reconciler/internal/protect"
+	"github.com/receiptledger/reconciler/migrations"
+	"github.com/receiptledger/reconciler/readback"
+	"github.com/receiptledger/reconciler/readback/httpadapter"
+	"github.com/receiptledger/reconciler/reconcile"
+	"github.com/receiptledger/reconciler/statemachine"
+)
+
+// runFlags are the flags of run.
+func runFlags() []cli.Flag {
+	return []cli.Flag{
+		databaseURLFlag(),
+		&cli.StringFlag{Name: "adapters", EnvVars: []string{"RECONCILER_ADAPTERS"},
+			Usage: "adapters file (YAML); without it every receipt is adapter-less and goes to manual_review"},
+		&cli.BoolFlag{Name: "once", EnvVars: []string{"RECONCILER_ONCE"},
+			Usage: "drain what is due now, print a summary and exit (for cron)"},
+		&cli.StringFlag{Name: "instance", EnvVars: []string{"RECONCILER_INSTANCE"},
+			Usage: "this instance's name; its actor is reconciler:<instance> (default <hostname>-<pid>)"},
+		&cli.IntFlag{Name: "workers", Value: 32, EnvVars: []string{"RECONCILER_WORKERS"},
+			Usage: "concurrent readback checks"},
+		&cli.IntFlag{Name: "batch-size", Value: 512, EnvVars: []string{"RECONCILER_BATCH_SIZE"},
+			Usage: "rows per claim and per settle statement"},
+		&cli.DurationFlag{Name: "lease", Value: 2 * time.Minute, EnvVars: []string{"RECONCILER_LEASE"},
+			Usage: "how long a claim holds a row; a crashed instance's rows are reclaimed after it"},
+		&cli.DurationFlag{Name: "check-timeout", Value: 30 * time.Second, EnvVars: []string{"RECONCILER_CHECK_TIMEOUT"},
+			Usage: "timeout of one readback call"},
+		&cli.DurationFlag{Name: "poll-interval", Value: 5 * time.Second, EnvVars: []string{"RECONCILER_POLL_INTERVAL"},
+			Usage: "fallback wake-up when no NOTIFY arrives; orphan sweep cadence"},
+		&cli.DurationFlag{Name: "orphan-timeout", Value: 5 * time.Minute, EnvVars: []string{"RECONCILER_ORPHAN_TIMEOUT"},
+			Usage: "a submitted receipt with no transition for longer is moved to outcome_unknown (negative: never)"},
+		&cli.DurationFlag{Name: "stale-planned-after", Value: time.Hour, EnvVars: []string{"RECONCILER_STALE_PLANNED_AFTER"},
+			Usage: "planned receipts older than this are counted as stale (never touched)"},
+		&cli.DurationFlag{Name: "grace-period", Value: 20 * time.Second, EnvVars: []string{"RECONCILER_GRACE_PERIOD"},
+			Usage: "on SIGTERM/SIGINT, how long in-flight checks may finish before their rows are released"},
+		&cli.IntFlag{Name: "breaker-failures", Value: 5, EnvVars: []string{"RECONCILER_BREAKER_FAILURES"},
+			Usage: "consecutive transient readback failures that open a dependency's circuit breaker"},
+		&cli.DurationFlag{Name: "breaker-cooldown", Value: 30 * time.Second, EnvVars: []string{"RECONCILER_BREAKER_COOLDOWN"},
+			Usage: "how long an open breaker waits before its single half-open probe"},
+		&cli.IntFlag{Name: "dependency-concurrency", Value: 8, EnvVars: []string{"RECONCILER_DEPENDENCY_CONCURRENCY"},
+			Usage: "readback calls in flight per dependency"},
+		&cli.Float64Flag{Name: "dependency-rate", Value: 5, EnvVars: []string{"RECONCILER_DEPENDENCY_RATE"},
+			Usage: "readback calls per second per dependency (Retry-After is honoured on top)"},
+		&cli.IntFlag{Name: "dependency-burst", Value: 10, EnvVars: []string{"RECONCILER_DEPENDENCY_BURST"},
+			Usage: "burst above the per-dependency rate"},
+		&cli.StringFlag{Name: "metrics-addr", EnvVars: []string{"RECONCILER_METRICS_ADDR"},
+			Usage: "serve /metrics, /healthz and /readyz on this address (e.g. :9090); empty: off"},
+		&cli.StringFlag{Name: "log-level", Value: "info", EnvVars: []string{"RECONCILER_LOG_LEVEL"},
+			Usage: "debug, info, warn or error"},
+	}
+}
+
+func runCommand() *cli.Command {
+	return &cli.Command{
+		Name:  "run",
+		Usage: "settle outcome_unknown receipts: a daemon until SIGTERM, or --once for cron",
+		Description: "Claims due receipts in batches, reads each back through its adapter, and " +
+			"settles it (succeeded, safe_to_retry, manual_review) with the evidence, or releases it " +
+			"until its next check. Exit status is non-zero only when the reconciler could not run.",
+		Flags:  runFlags(),
+		Action: runAction,
+	}
+}
+
+func runAction(c *cli.Context) error {
+	ctx := c.Context
+	var level slog.Level
+	if err := level.UnmarshalText([]byte(c.String("log-level"))); err != nil {
+		return cli.Exit(fmt.Sprintf("run: --log-level: %v", err), 2)
+	}
+	instance := c.String("instance")
+	if instance == "" {
+		host, _ := os.Hostname()
+		if host == "" {
+			host = "reconciler"
+		}
+		instance = host + "-" + strconv.Itoa(os.Getpid())
+	}
+	logger := slog.New(slog.NewJSONHandler(c.App.ErrWriter, &slog.HandlerOptions{Level: level})).
+		With("instance", instance)
+
+	reg := readback.NewRegistry()
+	if path := c.String("adapters"); path != "" {
+		var err error
+		if reg, err = httpadapter.LoadFile(path, nil); err != nil {
+			return cli.Exit(fmt.Sprintf("run: %v", err), 1)
+		}
+	} else {
+		logger.Warn("no adapters file: every receipt will go to manual_review as adapter-less")
+	}
+
+	db, err := pgxpool.New(ctx, c.String("database-url"))
+	if err != nil {
+		return cli.Exit(fmt.Sprintf("run: database: %v", err), 1) // pgx redacts passwords
+	}
+	defer db.Close()
+	current, err := migrations.Current(ctx, db)
+	if err != nil {
+		return cli.Exit(fmt.Sprintf("run: database: %v", err), 1)
+	}
+	if !current {
+		return cli.Exit("run: the database schema is not current: run `reconciler migrate up` first", 1)
+	}
+
+	promReg := prometheus.NewRegistry()
+	promReg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
+	metrics := reconcile.NewMetrics(promReg)
+	cfg := reconcile.Config{
+		Instance:          instance,
+		Registry:          reg,
+		Logger:            logger,
+		Metrics:           metrics,
+		Workers:           c.Int("workers"),
+		BatchSize:         c.Int("batch-size"),
+		Lease:             c.Duration("lease"),
+		CheckTimeout:      c.Duration("check-timeout"),
+		PollInterval:      c.Duration("poll-interval"),
+		OrphanTimeout:     c.Duration("orphan-timeout"),
+		StalePlannedAfter: c.Duration("stale-planned-after"),
+		GracePeriod:       c.Duration("grace-period"),
+	}
+	pcfg := protect.DefaultConfig()
+	pcfg.Instance = instance
+	pcfg.Default.Breaker.FailureThreshold = c.Int("breaker-failures")
+	pcfg.Default.Breaker.Cooldown = c.Duration("breaker-cooldown")
+	pcfg.Default.Concurrency.MaxInFlight = c.Int("dependency-concurrency")
+	pcfg.Default.Rate.Limit = rate.Limit(c.Float64("dependency-rate"))
+	pcfg.Default.Rate.Burst = c.Int("dependency-burst")
+	guard, err := protect.New(protect.NewPGStore(db), pcfg, nil, logger)
+	if err != nil {
+		return cli.Exit(fmt.Sprintf("run: %v", err), 2)
+	}
+	cfg.Gate = reconcile.ProtectGate(guard)
+	pool, err := reconcile.New(db, cfg)
+	if err != nil {
+		return cli.Exit(fmt.Sprintf("run: %v", err), 2)
+	}
+
+	if addr := c.String("metrics-addr"); addr != "" {
+		srv, err := serveHTTP(addr, db, promReg, logger)
+		if err != nil {
+			return cli.Exit(fmt.Sprintf("run: --metrics-addr: %v", err), 1)
+		}
+		defer func() {
+			sctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 2*time.Second)
+			defer cancel()
+			_ = srv.Shutdown(sctx)
+		}()
+	}
+
+	if c.Bool("once") {
+		sum, err := pool.Drain(ctx)
+		printSummary(c.App.Writer, sum)
+		if err != nil {
+			return cli.Exit(fmt.Sprintf("run --once: %v", err), 1)
+		}
+		return nil
+	}
+	logger.Info("reconciler started", "adapters", len(reg.Bindings()), "workers", cfg.Workers, "batch_size", cfg.BatchSize)
+	sum, err := pool.Run(ctx)
+	if err != nil {
+		return cli.Exit(fmt.Sprintf("run: %v", err), 1)
+	}
+	logger.Info("reconciler stopped", "claimed", sum.Claimed, "settled", total(sum.Settled), "waiting", sum.Waiting)
+	return nil
+}
+
+func total(m map[statemachine.State]int) int {
+	n := 0
+	for _, v := range m {
+		n += v
+	}
+	return n
+}
+
+// printSummary writes a --once summary, one name=value per line.
+func printSummary(w io.Writer, s reconcile.Summary) {
+	fmt.Fprintf(w, "claimed=%d\n", s.Claimed)
+	for _, st := range []statemachine.State{statemachine.Succeeded, statemachine.SafeToRetry, statemachine.ManualReview} {
+		fmt.Fprintf(w, "settled_%s=%d\n", st, s.Settled[st])
+	}
+	reasons := make([]string, 0, len(s.Reasons))
+	for r := range s.Reasons {
+		reasons = append(reasons, r)
+	}
+	sort.Strings(reasons)
+	for _, r := range reasons {
+		fmt.Fprintf(w, "reason_%s=%d\n", r, s.Reasons[r])
+	}
+	fmt.Fprintf(w, "still_waiting=%d\n", s.Waiting)
+	fmt.Fprintf(w, "deferred=%d\n", s.Deferred)
+	fmt.Fprintf(w, "orphans=%d\n", s.Orphans)
+	fmt.Fprintf(w, "duplicates=%d\n", s.Duplicates)
+	fmt.Fprintf(w, "check_errors=%d\n", s.CheckErrors)
+	fmt.Fprintf(w, "lease_lost=%d\n", s.LeaseLost)
+	fmt.Fprintf(w, "database_errors=%d\n", s.DBErrors)
+}
+
+// serveHTTP serves /metrics, /healthz (the process is alive) and /readyz
+// (the database answers and its schema is current).
+func serveHTTP(addr string, db *pgxpool.Pool, reg *prometheus.Registry, logger *slog.Logger) (*http.Server, error) {
+	mux := http.NewServeMux()
+	mux.Handle("GET /metrics", promhttp.HandlerFor(reg, promhttp.HandlerOpts{}))
+	mux.HandleFunc("GET /healthz", func(w http.ResponseWriter, _ *http.Request) {
+		fmt.Fprintln(w, "ok")
+	})
+	mux.HandleFunc("GET /readyz", func(w http.ResponseWriter, r *http.Request) {
+		ctx, cancel := context.WithTimeout(r.Context(), 3*time.Second)
+		defer cancel()
+		if err := db.Ping(ctx); err != nil {
+			http.Error(w, "database unreachable", http.StatusServiceUnavailable)
+			return
+		}
+		current, err := migrations.Current(ctx, db)
+		if err != nil || !current {
+			http.Error(w, "database schema not current", http.StatusServiceUnavailable)
+			return
+		}
+		fmt.Fprintln(w, "ready")
+	})
+	l, err := net.Listen("tcp", addr)
+	if err != nil {
+		return nil, err
+	}
+	srv := &http.Server{Handler: mux, ReadHeaderTimeout: 5 * time.Second}
+	go func() {
+		if err := srv.Serve(l); err != nil && !errors.Is(err, http.ErrServerClosed) {
+			logger.Error("metrics server stopped", "error", err)
+		}
+	}()
+	logger.Info("serving metrics", "addr", l.Addr().String())
+	return srv, nil
+}

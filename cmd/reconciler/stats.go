@@ -1,0 +1,67 @@
+package main
+
+import (
+	"encoding/json"
+	"fmt"
+	"time"
+
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/urfave/cli/v2"
+
+	"github.com/receiptledger/reconciler/reconcile"
+)
+
+func statsCommand() *cli.Command {
+	return &cli.Command{
+		Name:  "stats",
+		Usage: "print the reconciler's backlog: receipts per non-terminal state, stale planned, orphans, oldest unknown, duplicates",
+		Flags: []cli.Flag{
+			databaseURLFlag(),
+			&cli.DurationFlag{Name: "stale-planned-after", Value: time.Hour, EnvVars: []string{"RECONCILER_STALE_PLANNED_AFTER"},
+				Usage: "planned receipts older than this count as stale"},
+			&cli.DurationFlag{Name: "orphan-timeout", Value: 5 * time.Minute, EnvVars: []string{"RECONCILER_ORPHAN_TIMEOUT"},
+				Usage: "submitted receipts older than this count as orphans"},
+			&cli.BoolFlag{Name: "json", Usage: "print JSON instead of name=value lines"},
+		},
+		Action: func(c *cli.Context) error {
+			db, err := pgxpool.New(c.Context, c.String("database-url"))
+			if err != nil {
+				return cli.Exit(fmt.Sprintf("stats: %v", err), 1)
+			}
+			defer db.Close()
+			store, err := reconcile.NewStore(db, "stats")
+			if err != nil {
+				return cli.Exit(fmt.Sprintf("stats: %v", err), 1)
+			}
+			b, err := store.Backlog(c.Context, time.Now(), c.Duration("stale-planned-after"), c.Duration("orphan-timeout"))
+			if err != nil {
+				return cli.Exit(fmt.Sprintf("stats: %v", err), 1)
+			}
+			fields := []struct {
+				name  string
+				value any
+			}{
+				{"planned", b.Planned}, {"stale_planned", b.StalePlanned},
+				{"submitted", b.Submitted}, {"orphans", b.StaleOrphans},
+				{"outcome_unknown", b.OutcomeUnknown}, {"reconciling", b.Reconciling},
+				{"manual_review", b.ManualReview}, {"due_now", b.DueNow},
+				{"oldest_outcome_unknown_age_s", int64(b.OldestUnknownAge.Seconds())},
+				{"oldest_unsettled_age_s", int64(b.OldestUnsettledAge.Seconds())},
+				{"duplicates_detected", b.Duplicates},
+			}
+			if c.Bool("json") {
+				m := make(map[string]any, len(fields))
+				for _, f := range fields {
+					m[f.name] = f.value
+				}
+				enc := json.NewEncoder(c.App.Writer)
+				enc.SetIndent("", "  ")
+				return enc.Encode(m)
+			}
+			for _, f := range fields {
+				fmt.Fprintf(c.App.Writer, "%s=%v\n", f.name, f.value)
+			}
+			return nil
+		},
+	}
+}

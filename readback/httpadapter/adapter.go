@@ -1,0 +1,798 @@
+// Package httpadapter is the declarative HTTP readback adapter: an operator
+// points the reconciler at a real API from the adapters file (type: http)
+// without writing Go. One block says how to reach the API (base URL,
+// credentials from an environment variable or a file, timeout), how to list
+// or fetch what the receipt's call may have produced (path and query
+// templates over the receipt, its time window and its intent; pagination by
+// body cursor, Link header or page number, with a bound), where the items,
+// ids and creation times are (JSON pointers), and how to recognize the
+// effect (a marker the agent put in the resource, or the intent's
+// fingerprint recomputed over the item's fields). Presets give the shapes of
+// Stripe-style, GitHub-style and plain REST APIs.
+//
+// Everything is validated when the file is loaded: an unknown key, a bad
+// JSON pointer or a template naming an undeclared intent field fails at
+// start with the file, the adapter and the field. Credentials live only in
+// request headers: never in a Result's Query or Evidence, in errors or in
+// logs.
+package httpadapter
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"net/http"
+	"net/url"
+	"os"
+	"strconv"
+	"strings"
+	"time"
+
+	"go.yaml.in/yaml/v3"
+
+	"github.com/receiptledger/reconciler/fingerprint"
+	"github.com/receiptledger/reconciler/readback"
+)
+
+// TypeName is the adapters file's `type` for this adapter.
+const TypeName = "http"
+
+// maxBody bounds one response body: a readback page is small, and a
+// misbehaving server must not exhaust memory.
+const maxBody = 16 << 20
+
+// Option configures the adapters built by Types.
+type Option func(*options)
+
+type options struct {
+	client    *http.Client
+	now       func() time.Time
+	lookupEnv func(string) (string, bool)
+}
+
+// WithHTTPClient sets the client requests go through (default: a client
+// without a global timeout; each request has the block's timeout).
+func WithHTTPClient(c *http.Client) Option { return func(o *options) { o.client = c } }
+
+// WithClock sets the clock that ends the time window (default time.Now);
+// tests inject the reconciler's clock.
+func WithClock(now func() time.Time) Option { return func(o *options) { o.now = now } }
+
+// WithLookupEnv sets how auth.env is resolved (default os.LookupEnv).
+func WithLookupEnv(f func(string) (string, bool)) Option {
+	return func(o *options) { o.lookupEnv = f }
+}
+
+func newOptions(opts []Option) *options {
+	o := &options{client: &http.Client{}, now: time.Now, lookupEnv: os.LookupEnv}
+	for _, f := range opts {
+		f(o)
+	}
+	return o
+}
+
+// Types returns the adapter types of this package for readback.LoadFile:
+// "http".
+func Types(opts ...Option) readback.Types {
+	o := newOptions(opts)
+	return readback.Types{TypeName: func(name string, settings *yaml.Node) (readback.Adapter, error) {
+		return newAdapter(name, settings, o)
+	}}
+}
+
+// LoadFile is readback.LoadFile with the http type added to extra, and a
+// check that each http adapter's block can read back its declared kind (a
+// search block reads creates; fetch with compare reads updates; fetch alone
+// reads deletes). Errors are *readback.ConfigError naming the file, the
+// adapter and the field.
+func LoadFile(path string, extra readback.Types, opts ...Option) (*readback.Registry, error) {
+	types := readback.Types{}
+	for k, v := range Types(opts...) {
+		types[k] = v
+	}
+	for k, v := range extra {
+		types[k] = v
+	}
+	reg, err := readback.LoadFile(path, types)
+	if err != nil {
+		return nil, err
+	}
+	if err := CheckKinds(path, reg); err != nil {
+		return nil, err
+	}
+	return reg, nil
+}
+
+// CheckKinds verifies that every http adapter in reg reads the kind its
+// binding declares; file names the adapters file in the error.
+func CheckKinds(file string, reg *readback.Registry) error {
+	for _, b := range reg.Bindings() {
+		a, ok := b.Adapter.(*Adapter)
+		if !ok {
+			continue
+		}
+		if k := a.Kind(); k != b.Kind {
+			return &readback.ConfigError{File: file, Adapter: b.Name, Field: "kind",
+				Err: fmt.Errorf("the http block reads %s operations (%s), not %s", k, a.shape(), b.Kind)}
+		}
+		if a.cfg.preset == "stripe" && b.Policy.IdempotencyKeys && b.Policy.IdempotencyRetention > 24*time.Hour {
+			// Relying on a key Stripe has already forgotten would let a
+			// straggler land after safe_to_retry.
+			return &readback.ConfigError{File: file, Adapter: b.Name, Field: "idempotency.retention",
+				Err: errors.New("Stripe keeps idempotency keys for 24h; a longer retention is unsafe")}
+		}
+	}
+	return nil
+}
+
+// Adapter is one configured http block. Build it through Types or LoadFile.
+type Adapter struct {
+	cfg    *config
+	client *http.Client
+	now    func() time.Time
+}
+
+func newAdapter(name string, settings *yaml.Node, o *options) (*Adapter, error) {
+	cfg, err := parseSettings(name, settings, o)
+	if err != nil {
+		return nil, err
+	}
+	return &Adapter{cfg: cfg, client: o.client, now: o.now}, nil
+}
+
+// Kind returns the kind of operation the block reads back.
+func (a *Adapter) Kind() readback.Kind { return a.cfg.kinds()[0] }
+
+func (a *Adapter) shape() string {
+	switch {
+	case a.cfg.search != nil:
+		return "search"
+	case len(a.cfg.compare) > 0:
+		return "fetch with compare"
+	}
+	return "fetch without compare"
+}
+
+// Evidence is what a check records besides its query: enough for a human
+// to see why the adapter answered as it did.
+type Evidence struct {
+	// Pages is the number of pages read; Truncated is set when the page
+	// bound stopped the search before the end of the list.
+	Pages     int  `json:"pages,omitempty"`
+	Truncated bool `json:"truncated,omitempty"`
+	// Items is the number of items seen, OutsideWindow how many of them were
+	// ignored because they were created outside the receipt's window.
+	Items         int `json:"items,omitempty"`
+	OutsideWindow int `json:"outside_window,omitempty"`
+	// MatchedBy is "marker" or "fingerprint".
+	MatchedBy string `json:"matched_by,omitempty"`
+	// WindowStart and WindowEnd bound the creation times considered.
+	WindowStart *time.Time `json:"window_start,omitempty"`
+	WindowEnd   *time.Time `json:"window_end,omitempty"`
+	// Status is the fetch's HTTP status.
+	Status int `json:"status,omitempty"`
+	// Fields compares an update's fields: for each resource pointer,
+	// "intended", "pre_image" or "other".
+	Fields map[string]string `json:"fields,omitempty"`
+	// Reason explains a diverged or inconclusive answer.
+	Reason string `json:"reason,omitempty"`
+}
+
+// Check reads the receipt's effect back. It never changes the external
+// system: only GET (or an operator-vouched read-only POST) is sent.
+func (a *Adapter) Check(ctx context.Context, r readback.Receipt) (readback.Result, error) {
+	sc, err := a.scope(r)
+	if err != nil {
+		return readback.Result{}, err
+	}
+	if a.cfg.search != nil {
+		return a.search(ctx, sc)
+	}
+	return a.fetchOne(ctx, sc)
+}
+
+func (a *Adapter) scope(r readback.Receipt) (*scope, error) {
+	from := r.SubmittedAt
+	if from.IsZero() {
+		from = r.CreatedAt
+	}
+	sc := &scope{r: r, start: from.Add(-a.cfg.skew), end: a.now().Add(a.cfg.skew), intentField: a.cfg.intent}
+	if len(r.Intent) > 0 {
+		var doc map[string]any
+		if err := decodeJSON(r.Intent, &doc); err != nil {
+			return nil, readback.PermanentError(fmt.Errorf("receipt %d: intent: %w", r.ID, err))
+		}
+		// The stored intent is {"method","payload","target"}; intent fields
+		// point into the payload, as the agent wrote it.
+		if p, ok := doc["payload"].(map[string]any); ok {
+			sc.payload = p
+		}
+	}
+	return sc, nil
+}
+
+func decodeJSON(b []byte, v any) error {
+	d := json.NewDecoder(bytes.NewReader(b))
+	d.UseNumber()
+	return d.Decode(v)
+}
+
+// buildURL renders path and query against the receipt.
+func (a *Adapter) buildURL(sc *scope, path template, query map[string]template) (*url.URL, error) {
+	p, err := path.render(sc, true)
+	if err != nil {
+		return nil, readback.PermanentError(err)
+	}
+	u := *a.cfg.base
+	rel, err := url.Parse(p)
+	if err != nil || rel.Host != "" || rel.Scheme != "" {
+		return nil, readback.PermanentError(fmt.Errorf("path %q is not a path on %s", p, a.cfg.base.Host))
+	}
+	u.Path = strings.TrimRight(u.Path, "/") + "/" + strings.TrimLeft(rel.Path, "/")
+	u.RawPath = ""
+	q := rel.Query()
+	for k, t := range query {
+		v, err := t.render(sc, false)
+		if err != nil {
+			return nil, readback.PermanentError(err)
+		}
+		if v != "" { // an empty value omits the parameter (override a preset's with "")
+			q.Set(k, v)
+		}
+	}
+	u.RawQuery = q.Encode()
+	return &u, nil
+}
+
+// response is one successful read.
+type response struct {
+	status int
+	header http.Header
+	body   []byte
+}
+
+// do sends one request and classifies failures. gone lists statuses that
+// are answers (a fetch's 404), not errors.
+func (a *Adapter) do(ctx context.Context, method string, u *url.URL, gone []int) (*response, error) {
+	ctx, cancel := context.WithTimeout(ctx, a.cfg.timeout)
+	defer cancel()
+	req, err := http.NewRequestWithContext(ctx, method, u.String(), nil)
+	if err != nil {
+		return nil, readback.PermanentError(fmt.Errorf("%s %s: %w", method, u.Redacted(), err))
+	}
+	for k, v := range a.cfg.headers {
+		req.Header[k] = v
+	}
+	req.Header.Set("Accept", firstNonEmpty(a.cfg.headers.Get("Accept"), "application/json"))
+	if a.cfg.auth != nil {
+		req.Header.Set(a.cfg.auth.header, a.cfg.auth.value)
+	}
+	resp, err := a.client.Do(req)
+	if err != nil {
+		// Timeouts, resets and refused connections may pass.
+		return nil, readback.TransientError(fmt.Errorf("%s %s: %w", method, u.Redacted(), a.redactErr(err)), 0)
+	}
+	defer resp.Body.Close()
+	body, err := io.ReadAll(io.LimitReader(resp.Body, maxBody+1))
+	if err != nil {
+		return nil, readback.TransientError(fmt.Errorf("%s %s: reading the body: %w", method, u.Redacted(), err), 0)
+	}
+	if len(body) > maxBody {
+		return nil, readback.PermanentError(fmt.Errorf("%s %s: response larger than %d bytes", method, u.Redacted(), maxBody))
+	}
+	for _, g := range gone {
+		if resp.StatusCode == g {
+			return &response{status: resp.StatusCode, header: resp.Header, body: body}, nil
+		}
+	}
+	if resp.StatusCode >= 200 && resp.StatusCode < 300 {
+		return &response{status: resp.StatusCode, header: resp.Header, body: body}, nil
+	}
+	statusErr := &StatusError{Method: method, URL: u.Redacted(), Status: resp.StatusCode, Body: a.snippet(body)}
+	wait := a.retryAfter(resp.Header)
+	switch {
+	case resp.StatusCode == http.StatusTooManyRequests:
+		return nil, readback.TransientError(statusErr, wait)
+	case resp.StatusCode == http.StatusForbidden && a.rateLimited(resp.Header):
+		// GitHub answers an exhausted rate limit with 403, not 429.
+		return nil, readback.TransientError(statusErr, wait)
+	case resp.StatusCode >= 500 || resp.StatusCode == http.StatusRequestTimeout:
+		return nil, readback.TransientError(statusErr, wait)
+	}
+	// 401/403 (credentials), 404 on the endpoint itself (bad path or base
+	// URL) and every other 4xx: asking again cannot help.
+	return nil, readback.PermanentError(statusErr)
+}
+
+// StatusError is an unexpected HTTP status from the API. Body is a short,
+// credential-redacted excerpt of the response.
+type StatusError struct {
+	Method string
+	URL    string
+	Status int
+	Body   string
+}
+
+// Error says which request got which status, with the excerpt.
+func (e *StatusError) Error() string {
+	msg := fmt.Sprintf("%s %s: HTTP %d %s", e.Method, e.URL, e.Status, http.StatusText(e.Status))
+	if e.Body != "" {
+		msg += ": " + e.Body
+	}
+	return msg
+}
+
+// snippet is a short excerpt of an error body with the secret removed, in
+// case the API echoes the request's credentials back.
+func (a *Adapter) snippet(body []byte) string {
+	s := strings.TrimSpace(string(body))
+	if a.cfg.auth != nil {
+		s = strings.ReplaceAll(s, a.cfg.auth.secret, "[redacted]")
+	}
+	if len(s) > 200 {
+		s = s[:200] + "..."
+	}
+	return s
+}
+
+func (a *Adapter) redactErr(err error) error {
+	if a.cfg.auth == nil || !strings.Contains(err.Error(), a.cfg.auth.secret) {
+		return err
+	}
+	return errors.New(strings.ReplaceAll(err.Error(), a.cfg.auth.secret, "[redacted]"))
+}
+
+func (a *Adapter) rateLimited(h http.Header) bool {
+	rl := a.cfg.rateLimit
+	return rl.RemainingHeader != "" && strings.TrimSpace(h.Get(rl.RemainingHeader)) == "0"
+}
+
+// retryAfter reads Retry-After (seconds or an HTTP date) and the declared
+// rate-limit reset header; the longer wait wins.
+func (a *Adapter) retryAfter(h http.Header) time.Duration {
+	now := a.now()
+	var wait time.Duration
+	if v := strings.TrimSpace(h.Get("Retry-After")); v != "" {
+		if s, err := strconv.ParseFloat(v, 64); err == nil && s > 0 {
+			wait = time.Duration(s * float64(time.Second))
+		} else if t, err := http.ParseTime(v); err == nil {
+			wait = t.Sub(now)
+		}
+	}
+	rl := a.cfg.rateLimit
+	if rl.ResetHeader != "" && (rl.RemainingHeader == "" || a.rateLimited(h)) {
+		if v, err := strconv.ParseInt(strings.TrimSpace(h.Get(rl.ResetHeader)), 10, 64); err == nil {
+			var d time.Duration
+			if rl.ResetFormat == "seconds" {
+				d = time.Duration(v) * time.Second
+			} else {
+				d = time.Unix(v, 0).Sub(now)
+			}
+			wait = max(wait, d)
+		}
+	}
+	return max(wait, 0)
+}
+
+func firstNonEmpty(s ...string) string {
+	for _, v := range s {
+		if v != "" {
+			return v
+		}
+	}
+	return ""
+}
+
+// search lists the candidates page by page and matches them.
+func (a *Adapter) search(ctx context.Context, sc *scope) (readback.Result, error) {
+	s := a.cfg.search
+	pg := a.cfg.pagination
+	first, err := a.buildURL(sc, s.path, s.query)
+	if err != nil {
+		return readback.Result{}, err
+	}
+	if pg.Style == "page" {
+		// Ask for the first page explicitly: APIs differ on the default.
+		q := first.Query()
+		q.Set(pg.Param, strconv.Itoa(*pg.Start))
+		first.RawQuery = q.Encode()
+	}
+	start, end := sc.start.UTC(), sc.end.UTC()
+	ev := &Evidence{WindowStart: &start, WindowEnd: &end}
+	res := readback.Result{Query: s.method + " " + first.Redacted(), Evidence: ev}
+	matcher, err := a.matcher(sc)
+	if err != nil {
+		return readback.Result{}, err
+	}
+	seen := map[string]bool{}
+	u := first
+	page := 0
+	if pg.Start != nil {
+		page = *pg.Start
+	}
+	for {
+		resp, err := a.do(ctx, s.method, u, nil)
+		if err != nil {
+			return readback.Result{}, err
+		}
+		ev.Pages++
+		var doc any
+		if err := decodeJSON(resp.body, &doc); err != nil {
+			// A cut or garbled page may be a proxy's fault: ask again later.
+			return readback.Result{}, readback.TransientError(fmt.Errorf("%s: response is not JSON: %w", u.Redacted(), err), 0)
+		}
+		raw, ok := s.items.get(doc)
+		list, isList := raw.([]any)
+		if !ok || !isList {
+			return readback.Result{}, readback.PermanentError(fmt.Errorf("%s: items pointer %q does not name a list in the response", u.Redacted(), s.items.text))
+		}
+		for i, item := range list {
+			ev.Items++
+			created, err := a.createdAt(item)
+			if err != nil {
+				return readback.Result{}, readback.PermanentError(fmt.Errorf("%s: item %d: %w", u.Redacted(), i, err))
+			}
+			if created.Before(sc.start) || created.After(sc.end) {
+				ev.OutsideWindow++
+				continue
+			}
+			by, err := matcher(item)
+			if err != nil {
+				return readback.Result{}, readback.PermanentError(fmt.Errorf("%s: item %d: %w", u.Redacted(), i, err))
+			}
+			if by == "" {
+				continue
+			}
+			id, err := idOf(item, s.id)
+			if err != nil {
+				return readback.Result{}, readback.PermanentError(fmt.Errorf("%s: item %d: %w", u.Redacted(), i, err))
+			}
+			if !seen[id] { // pages may overlap when the list moves under us
+				seen[id] = true
+				res.ExternalIDs = append(res.ExternalIDs, id)
+				ev.MatchedBy = by
+			}
+		}
+		next, err := a.nextPage(first, u, doc, resp.header, len(list), &page)
+		if err != nil {
+			return readback.Result{}, err
+		}
+		if next == nil {
+			break
+		}
+		if ev.Pages >= pg.MaxPages {
+			ev.Truncated = true
+			break
+		}
+		u = next
+	}
+	if len(res.ExternalIDs) > 0 {
+		res.Verdict, res.Authoritative = readback.VerdictPresent, true
+		return res, nil
+	}
+	// An absence is only proof when the whole window was listed.
+	res.Verdict, res.Authoritative = readback.VerdictAbsent, !ev.Truncated
+	if ev.Truncated {
+		ev.Reason = fmt.Sprintf("page bound (%d) reached before the end of the list", pg.MaxPages)
+	}
+	return res, nil
+}
+
+// nextPage returns the next page's URL, or nil at the end of the list.
+func (a *Adapter) nextPage(first, cur *url.URL, doc any, h http.Header, n int, page *int) (*url.URL, error) {
+	pg := a.cfg.pagination
+	switch pg.Style {
+	case "cursor":
+		if pg.HasMore != "" {
+			if v, ok := lookup(doc, pg.HasMore); !ok || v != true {
+				return nil, nil
+			}
+		}
+		v, ok := lookup(doc, pg.Cursor)
+		if !ok || v == nil {
+			return nil, nil
+		}
+		cursor, err := scalarString(v)
+		if err != nil || cursor == "" {
+			return nil, nil
+		}
+		u := *first
+		q := u.Query()
+		q.Set(pg.Param, cursor)
+		u.RawQuery = q.Encode()
+		return &u, nil
+	case "link":
+		next := linkNext(h.Values("Link"))
+		if next == "" {
+			return nil, nil
+		}
+		u, err := cur.Parse(next)
+		if err != nil {
+			return nil, readback.PermanentError(fmt.Errorf("%s: bad Link header: %w", cur.Redacted(), err))
+		}
+		// Credentials go only to the configured host.
+		if u.Scheme != a.cfg.base.Scheme || u.Host != a.cfg.base.Host {
+			return nil, readback.PermanentError(fmt.Errorf("%s: Link rel=next points to another host (%s)", cur.Redacted(), u.Host))
+		}
+		return u, nil
+	case "page":
+		if n == 0 {
+			return nil, nil
+		}
+		*page++
+		u := *first
+		q := u.Query()
+		q.Set(pg.Param, strconv.Itoa(*page))
+		u.RawQuery = q.Encode()
+		return &u, nil
+	}
+	return nil, nil
+}
+
+// linkNext returns the rel="next" target of RFC 8288 Link header values.
+func linkNext(values []string) string {
+	for _, v := range values {
+		for _, link := range strings.Split(v, ",") {
+			segs := strings.Split(link, ";")
+			target := strings.TrimSpace(segs[0])
+			if !strings.HasPrefix(target, "<") || !strings.HasSuffix(target, ">") {
+				continue
+			}
+			for _, p := range segs[1:] {
+				k, val, _ := strings.Cut(strings.TrimSpace(p), "=")
+				if strings.EqualFold(k, "rel") {
+					for _, rel := range strings.Fields(strings.Trim(val, `"`)) {
+						if strings.EqualFold(rel, "next") {
+							return target[1 : len(target)-1]
+						}
+					}
+				}
+			}
+		}
+	}
+	return ""
+}
+
+func (a *Adapter) createdAt(item any) (time.Time, error) {
+	s := a.cfg.search
+	v, ok := s.createdAt.get(item)
+	if !ok {
+		return time.Time{}, fmt.Errorf("no created-at at %q", s.createdAt.text)
+	}
+	switch x := v.(type) {
+	case json.Number:
+		n, err := x.Float64()
+		if err != nil || s.createdAtFormat == "rfc3339" {
+			return time.Time{}, fmt.Errorf("created-at %q at %q is not %s", x, s.createdAt.text, firstNonEmpty(s.createdAtFormat, "a time"))
+		}
+		if s.createdAtFormat == "unix_ms" {
+			return time.UnixMilli(int64(n)), nil
+		}
+		return time.Unix(int64(n), 0), nil
+	case string:
+		if s.createdAtFormat == "unix" || s.createdAtFormat == "unix_ms" {
+			n, err := strconv.ParseInt(x, 10, 64)
+			if err != nil {
+				return time.Time{}, fmt.Errorf("created-at %q at %q is not %s", x, s.createdAt.text, s.createdAtFormat)
+			}
+			if s.createdAtFormat == "unix_ms" {
+				return time.UnixMilli(n), nil
+			}
+			return time.Unix(n, 0), nil
+		}
+		t, err := time.Parse(time.RFC3339Nano, x)
+		if err != nil {
+			return time.Time{}, fmt.Errorf("created-at %q at %q is not RFC 3339", x, s.createdAt.text)
+		}
+		return t, nil
+	}
+	return time.Time{}, fmt.Errorf("created-at at %q is %s, want a time", s.createdAt.text, jsonType(v))
+}
+
+func idOf(item any, p pointer) (string, error) {
+	v, ok := p.get(item)
+	if !ok {
+		return "", fmt.Errorf("no id at %q", p.text)
+	}
+	id, err := scalarString(v)
+	if err != nil || id == "" {
+		return "", fmt.Errorf("id at %q is %s, want a string or number", p.text, jsonType(v))
+	}
+	return id, nil
+}
+
+// matcher returns a function that says how an item matches the receipt
+// ("marker", "fingerprint") or "" when it does not. The marker is tried
+// first: it is the stronger evidence.
+func (a *Adapter) matcher(sc *scope) (func(item any) (string, error), error) {
+	var equals, contains string
+	var err error
+	if m := a.cfg.marker; m != nil {
+		if equals, err = m.equals.render(sc, false); err != nil {
+			return nil, readback.PermanentError(err)
+		}
+		if contains, err = m.contains.render(sc, false); err != nil {
+			return nil, readback.PermanentError(err)
+		}
+	}
+	return func(item any) (string, error) {
+		if m := a.cfg.marker; m != nil {
+			if v, ok := m.pointer.get(item); ok {
+				if s, err := scalarString(v); err == nil {
+					if (equals != "" && s == equals) || (contains != "" && strings.Contains(s, contains)) {
+						return "marker", nil
+					}
+				}
+			}
+		}
+		if f := a.cfg.fp; f != nil {
+			ok, err := a.fingerprintMatches(sc, item)
+			if err != nil || !ok {
+				return "", err
+			}
+			return "fingerprint", nil
+		}
+		return "", nil
+	}, nil
+}
+
+// fingerprintMatches rebuilds the payload from the item's fields and
+// recomputes the intent fingerprint with the agent's normalization.
+func (a *Adapter) fingerprintMatches(sc *scope, item any) (bool, error) {
+	f := a.cfg.fp
+	payload := map[string]any{}
+	for _, p := range f.fields {
+		v, ok := p.resource.get(item)
+		if !ok {
+			return false, nil // an item without the field is not ours
+		}
+		if err := p.payload.set(payload, v); err != nil {
+			return false, err
+		}
+	}
+	b, err := json.Marshal(payload)
+	if err != nil {
+		return false, err
+	}
+	fp, err := fingerprint.Compute(sc.r.Method, sc.r.Target, b, fingerprint.WithDrop(f.drop...))
+	if err != nil {
+		// An item the fingerprint refuses (an imprecise number) cannot be
+		// the agent's: its own payload was accepted.
+		return false, nil
+	}
+	return fp.Fingerprint == sc.r.Fingerprint, nil
+}
+
+// fetchOne reads one resource: existence for deletes, fields for updates.
+func (a *Adapter) fetchOne(ctx context.Context, sc *scope) (readback.Result, error) {
+	f := a.cfg.fetch
+	u, err := a.buildURL(sc, f.path, f.query)
+	if err != nil {
+		return readback.Result{}, err
+	}
+	ev := &Evidence{}
+	res := readback.Result{Query: f.method + " " + u.Redacted(), Evidence: ev, Authoritative: true}
+	resp, err := a.do(ctx, f.method, u, f.gone)
+	if err != nil {
+		return readback.Result{}, err
+	}
+	ev.Status = resp.status
+	if resp.status < 200 || resp.status > 299 {
+		if len(a.cfg.compare) > 0 {
+			// The update's target is gone: neither done nor untouched.
+			res.Verdict = readback.VerdictDiverged
+			ev.Reason = fmt.Sprintf("the resource is gone (HTTP %d)", resp.status)
+			return res, nil
+		}
+		res.Verdict = readback.VerdictAbsent
+		return res, nil
+	}
+	var doc any
+	if err := decodeJSON(resp.body, &doc); err != nil {
+		return readback.Result{}, readback.TransientError(fmt.Errorf("%s: response is not JSON: %w", u.Redacted(), err), 0)
+	}
+	id, err := idOf(doc, f.id)
+	if err != nil {
+		return readback.Result{}, readback.PermanentError(fmt.Errorf("%s: %w", u.Redacted(), err))
+	}
+	res.ExternalIDs = []string{id}
+	if len(a.cfg.compare) == 0 {
+		res.Verdict = a.guard(sc, doc, ev)
+		return res, nil
+	}
+	res.Verdict = a.compare(sc, doc, ev)
+	if res.Verdict != readback.VerdictPresent {
+		res.ExternalIDs = nil
+	}
+	return res, nil
+}
+
+// guard classifies a delete's still-present resource: present (the delete
+// did not happen) while the guarded fields hold the pre-image, diverged when
+// someone else changed them (retrying the delete would destroy their work).
+// Without a guard or a pre-image, present.
+func (a *Adapter) guard(sc *scope, doc any, ev *Evidence) readback.Verdict {
+	if len(a.cfg.guard) == 0 || len(sc.r.PreImage) == 0 {
+		return readback.VerdictPresent
+	}
+	var pre any
+	if err := decodeJSON(sc.r.PreImage, &pre); err != nil {
+		return readback.VerdictPresent
+	}
+	ev.Fields = map[string]string{}
+	verdict := readback.VerdictPresent
+	for _, p := range a.cfg.guard {
+		cur, curOK := p.get(doc)
+		old, oldOK := p.get(pre)
+		state := "pre_image"
+		if curOK != oldOK || (curOK && !sameJSON(cur, old)) {
+			state, verdict = "other", readback.VerdictDiverged
+			ev.Reason = "the resource is still there and was changed since plan time"
+		}
+		ev.Fields[p.text] = state
+	}
+	return verdict
+}
+
+// compare classifies an update: every field as intended (present), every
+// field as the pre-image (absent), else diverged.
+func (a *Adapter) compare(sc *scope, doc any, ev *Evidence) readback.Verdict {
+	var pre any
+	if len(sc.r.PreImage) > 0 {
+		if err := decodeJSON(sc.r.PreImage, &pre); err != nil {
+			pre = nil
+		}
+	}
+	ev.Fields = map[string]string{}
+	allIntended, allPre := true, pre != nil
+	for _, p := range a.cfg.compare {
+		cur, curOK := p.resource.get(doc)
+		want, wantOK := p.payload.get(sc.payload)
+		old, oldOK := p.resource.get(pre)
+		state := "other"
+		switch {
+		case curOK && wantOK && sameJSON(cur, want):
+			state = "intended"
+			// A field the update does not change is both intended and
+			// pre-image; it must not spoil either verdict.
+			if !(oldOK && sameJSON(cur, old)) {
+				allPre = false
+			}
+		case curOK && oldOK && sameJSON(cur, old):
+			state = "pre_image"
+			allIntended = false
+		default:
+			allIntended, allPre = false, false
+		}
+		ev.Fields[p.resource.text] = state
+	}
+	switch {
+	case allIntended:
+		return readback.VerdictPresent
+	case allPre:
+		return readback.VerdictAbsent
+	case pre == nil:
+		ev.Reason = "no pre-image was recorded at plan time: the update's absence cannot be proven"
+	default:
+		ev.Reason = "the resource holds neither the intended fields nor the pre-image"
+	}
+	return readback.VerdictDiverged
+}
+
+// sameJSON compares two decoded JSON values canonically (1.0 equals 1).
+func sameJSON(a, b any) bool {
+	ja, err1 := json.Marshal(a)
+	jb, err2 := json.Marshal(b)
+	if err1 != nil || err2 != nil {
+		return false
+	}
+	ca, err1 := fingerprint.Canonicalize(ja)
+	cb, err2 := fingerprint.Canonicalize(jb)
+	if err1 != nil || err2 != nil {
+		return bytes.Equal(ja, jb)
+	}
+	return bytes.Equal(ca, cb)
+}

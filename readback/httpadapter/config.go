@@ -1,0 +1,684 @@
+package httpadapter
+
+import (
+	"fmt"
+	"net/http"
+	"net/url"
+	"os"
+	"reflect"
+	"sort"
+	"strings"
+	"time"
+
+	"go.yaml.in/yaml/v3"
+
+	"github.com/receiptledger/reconciler/readback"
+)
+
+// The settings block under `http:`. Every key is optional in the YAML
+// because a preset may supply it; validation after the merge decides.
+type settingsYAML struct {
+	Preset       string            `yaml:"preset"`
+	BaseURL      string            `yaml:"base_url"`
+	Auth         *authYAML         `yaml:"auth"`
+	Timeout      string            `yaml:"timeout"`
+	Headers      map[string]string `yaml:"headers"`
+	WindowSkew   string            `yaml:"window_skew"`
+	IntentFields map[string]string `yaml:"intent_fields"`
+	Search       *searchYAML       `yaml:"search"`
+	Fetch        *fetchYAML        `yaml:"fetch"`
+	Match        *matchYAML        `yaml:"match"`
+	Compare      *compareYAML      `yaml:"compare"`
+	Guard        *guardYAML        `yaml:"guard"`
+	RateLimit    *rateLimitYAML    `yaml:"rate_limit"`
+}
+
+type authYAML struct {
+	Scheme string `yaml:"scheme"`
+	Header string `yaml:"header"`
+	Env    string `yaml:"env"`
+	File   string `yaml:"file"`
+}
+
+type searchYAML struct {
+	Method          string            `yaml:"method"`
+	Path            string            `yaml:"path"`
+	Query           map[string]string `yaml:"query"`
+	Items           *string           `yaml:"items"`
+	ID              string            `yaml:"id"`
+	CreatedAt       string            `yaml:"created_at"`
+	CreatedAtFormat string            `yaml:"created_at_format"`
+	Pagination      *paginationYAML   `yaml:"pagination"`
+}
+
+type paginationYAML struct {
+	Style    string `yaml:"style"`
+	Cursor   string `yaml:"cursor"`
+	HasMore  string `yaml:"has_more"`
+	Param    string `yaml:"param"`
+	Start    *int   `yaml:"start"`
+	MaxPages int    `yaml:"max_pages"`
+}
+
+type fetchYAML struct {
+	Method string            `yaml:"method"`
+	Path   string            `yaml:"path"`
+	Query  map[string]string `yaml:"query"`
+	ID     string            `yaml:"id"`
+	Gone   []int             `yaml:"gone"`
+}
+
+type matchYAML struct {
+	Marker      *markerYAML      `yaml:"marker"`
+	Fingerprint *fingerprintYAML `yaml:"fingerprint"`
+}
+
+type markerYAML struct {
+	Pointer  string `yaml:"pointer"`
+	Equals   string `yaml:"equals"`
+	Contains string `yaml:"contains"`
+}
+
+type fingerprintYAML struct {
+	Fields map[string]string `yaml:"fields"`
+	Drop   []string          `yaml:"drop"`
+}
+
+type compareYAML struct {
+	Fields map[string]string `yaml:"fields"`
+}
+
+// guardYAML lists resource fields a delete expects to find as in the
+// pre-image while the resource is still there.
+type guardYAML struct {
+	Fields []string `yaml:"fields"`
+}
+
+type rateLimitYAML struct {
+	RemainingHeader string `yaml:"remaining_header"`
+	ResetHeader     string `yaml:"reset_header"`
+	ResetFormat     string `yaml:"reset_format"`
+}
+
+// config is a validated, compiled settings block.
+type config struct {
+	name       string
+	preset     string
+	base       *url.URL
+	timeout    time.Duration
+	headers    http.Header
+	skew       time.Duration
+	intent     map[string]string // name -> payload pointer
+	auth       *auth
+	search     *searchConfig
+	fetch      *fetchConfig
+	marker     *markerConfig
+	fp         *fpConfig
+	compare    []fieldPair
+	guard      []pointer
+	rateLimit  rateLimitYAML
+	pagination paginationYAML
+}
+
+type auth struct {
+	header string // header name
+	value  string // full header value: the secret, never logged
+	secret string
+}
+
+type searchConfig struct {
+	method          string
+	path            template
+	query           map[string]template
+	items           pointer
+	id              pointer
+	createdAt       pointer
+	createdAtFormat string
+}
+
+type fetchConfig struct {
+	method string
+	path   template
+	query  map[string]template
+	id     pointer
+	gone   []int
+}
+
+type markerConfig struct {
+	pointer  pointer
+	equals   template
+	contains template
+}
+
+type fpConfig struct {
+	fields []fieldPair
+	drop   []string
+}
+
+// fieldPair maps a payload field of the intent to a field of the resource.
+type fieldPair struct {
+	payload  pointer
+	resource pointer
+}
+
+// fieldErr names a field of the settings block.
+func fieldErr(field string, format string, args ...any) error {
+	return &readback.FieldError{Field: field, Err: fmt.Errorf(format, args...)}
+}
+
+// checkUnknown refuses a key of n that t (a struct type with yaml tags)
+// does not declare, naming its dotted path: a typo must fail at start.
+func checkUnknown(n *yaml.Node, t reflect.Type, path string) error {
+	for t.Kind() == reflect.Pointer {
+		t = t.Elem()
+	}
+	if n == nil || n.Kind == yaml.AliasNode {
+		return nil
+	}
+	join := func(k string) string {
+		if path == "" {
+			return k
+		}
+		return path + "." + k
+	}
+	switch t.Kind() {
+	case reflect.Struct:
+		if n.Kind != yaml.MappingNode {
+			if n.Tag == "!!null" {
+				return nil
+			}
+			return fieldErr(pathOr(path), "must be a mapping")
+		}
+		fields := map[string]reflect.Type{}
+		for i := 0; i < t.NumField(); i++ {
+			tag, _, _ := strings.Cut(t.Field(i).Tag.Get("yaml"), ",")
+			fields[tag] = t.Field(i).Type
+		}
+		for i := 0; i+1 < len(n.Content); i += 2 {
+			k := n.Content[i].Value
+			ft, ok := fields[k]
+			if !ok {
+				return fieldErr(join(k), "unknown field")
+			}
+			if err := checkUnknown(n.Content[i+1], ft, join(k)); err != nil {
+				return err
+			}
+		}
+	case reflect.Map:
+		if n.Kind != yaml.MappingNode && n.Tag != "!!null" {
+			return fieldErr(pathOr(path), "must be a mapping")
+		}
+		for i := 0; i+1 < len(n.Content); i += 2 {
+			if v := n.Content[i+1]; v.Kind != yaml.ScalarNode {
+				return fieldErr(join(n.Content[i].Value), "must be a string")
+			}
+		}
+	case reflect.Slice:
+		if n.Kind != yaml.SequenceNode && n.Tag != "!!null" {
+			return fieldErr(pathOr(path), "must be a list")
+		}
+	default:
+		if n.Kind != yaml.ScalarNode {
+			return fieldErr(pathOr(path), "must be a single value")
+		}
+	}
+	return nil
+}
+
+func pathOr(p string) string {
+	if p == "" {
+		return "http"
+	}
+	return p
+}
+
+// mergeNodes returns base with over laid on top: mappings merge key by key
+// (recursively), anything else in over replaces. Presets are YAML, so the
+// operator overrides any default with the same syntax.
+func mergeNodes(base, over *yaml.Node) *yaml.Node {
+	if base == nil {
+		return over
+	}
+	if over == nil {
+		return base
+	}
+	if base.Kind != yaml.MappingNode || over.Kind != yaml.MappingNode {
+		return over
+	}
+	out := &yaml.Node{Kind: yaml.MappingNode, Tag: base.Tag, Line: over.Line, Column: over.Column}
+	idx := map[string]int{}
+	for i := 0; i+1 < len(base.Content); i += 2 {
+		idx[base.Content[i].Value] = len(out.Content)
+		out.Content = append(out.Content, base.Content[i], base.Content[i+1])
+	}
+	for i := 0; i+1 < len(over.Content); i += 2 {
+		k := over.Content[i].Value
+		if j, ok := idx[k]; ok {
+			out.Content[j+1] = mergeNodes(out.Content[j+1], over.Content[i+1])
+			continue
+		}
+		out.Content = append(out.Content, over.Content[i], over.Content[i+1])
+	}
+	return out
+}
+
+// parseSettings merges the preset named in n (if any) under n, checks for
+// unknown fields, decodes and validates.
+func parseSettings(name string, n *yaml.Node, o *options) (*config, error) {
+	if n == nil {
+		return nil, fieldErr("base_url", "is required (the http block is missing)")
+	}
+	if err := checkUnknown(n, reflect.TypeFor[settingsYAML](), ""); err != nil {
+		return nil, err
+	}
+	var head struct {
+		Preset string `yaml:"preset"`
+	}
+	if err := n.Decode(&head); err != nil {
+		return nil, err // the loader names the http block
+	}
+	merged := n
+	if head.Preset != "" {
+		text, ok := presets()[head.Preset]
+		if !ok {
+			return nil, fieldErr("preset", "unknown preset %q (known: %s)", head.Preset, strings.Join(presetNames(), ", "))
+		}
+		var doc yaml.Node
+		if err := yaml.Unmarshal([]byte(text), &doc); err != nil {
+			return nil, fmt.Errorf("preset %s: %w", head.Preset, err) // a bug in this package
+		}
+		merged = mergeNodes(doc.Content[0], n)
+	}
+	var s settingsYAML
+	if err := merged.Decode(&s); err != nil {
+		return nil, err
+	}
+	return compile(name, s, o)
+}
+
+func compile(name string, s settingsYAML, o *options) (*config, error) {
+	c := &config{name: name, preset: s.Preset, headers: http.Header{}, intent: map[string]string{}}
+	if s.BaseURL == "" {
+		return nil, fieldErr("base_url", "is required")
+	}
+	u, err := url.Parse(s.BaseURL)
+	if err != nil || (u.Scheme != "http" && u.Scheme != "https") || u.Host == "" {
+		return nil, fieldErr("base_url", "want an absolute http(s) URL, got %q", s.BaseURL)
+	}
+	if u.User != nil {
+		return nil, fieldErr("base_url", "must not hold credentials (use auth with env or file)")
+	}
+	c.base = u
+	c.timeout = 10 * time.Second
+	if s.Timeout != "" {
+		if c.timeout, err = time.ParseDuration(s.Timeout); err != nil || c.timeout <= 0 {
+			return nil, fieldErr("timeout", "want a positive duration such as 10s, got %q", s.Timeout)
+		}
+	}
+	c.skew = 5 * time.Minute
+	if s.WindowSkew != "" {
+		if c.skew, err = time.ParseDuration(s.WindowSkew); err != nil || c.skew < 0 {
+			return nil, fieldErr("window_skew", "want a duration such as 5m, got %q", s.WindowSkew)
+		}
+	}
+	for k, v := range s.Headers {
+		if strings.EqualFold(k, "Authorization") || strings.EqualFold(k, "Cookie") {
+			// Headers in the file are not secret; a credential here would be
+			// stored in plain text and shown by `adapters check`.
+			return nil, fieldErr("headers."+k, "credentials go in auth (env or file), not in headers")
+		}
+		c.headers.Set(k, v)
+	}
+	for k, v := range s.IntentFields {
+		if _, err := parsePointer(v); err != nil {
+			return nil, fieldErr("intent_fields."+k, "%v", err)
+		}
+		c.intent[k] = v
+	}
+	if c.auth, err = compileAuth(s.Auth, o); err != nil {
+		return nil, err
+	}
+	if s.Search != nil && s.Fetch != nil {
+		return nil, fieldErr("fetch", "search (create) and fetch (update, delete) exclude each other")
+	}
+	if s.Search == nil && s.Fetch == nil {
+		return nil, fieldErr("search", "one of search (create) or fetch (update, delete) is required")
+	}
+	if s.Search != nil {
+		if err := c.compileSearch(s); err != nil {
+			return nil, err
+		}
+	} else {
+		if err := c.compileFetch(s); err != nil {
+			return nil, err
+		}
+	}
+	if s.RateLimit != nil {
+		switch s.RateLimit.ResetFormat {
+		case "", "unix", "seconds":
+		default:
+			return nil, fieldErr("rate_limit.reset_format", "want unix (epoch seconds) or seconds (delta), got %q", s.RateLimit.ResetFormat)
+		}
+		c.rateLimit = *s.RateLimit
+	}
+	return c, nil
+}
+
+func compileAuth(a *authYAML, o *options) (*auth, error) {
+	if a == nil {
+		return nil, nil
+	}
+	var secret string
+	switch {
+	case a.Env != "" && a.File != "":
+		return nil, fieldErr("auth.file", "set env or file, not both")
+	case a.Env != "":
+		v, ok := o.lookupEnv(a.Env)
+		if !ok || v == "" {
+			return nil, fieldErr("auth.env", "environment variable %s is not set", a.Env)
+		}
+		secret = v
+	case a.File != "":
+		b, err := os.ReadFile(a.File)
+		if err != nil {
+			// The path is not secret; the content is never printed.
+			return nil, fieldErr("auth.file", "%v", err)
+		}
+		secret = strings.TrimRight(string(b), "\r\n")
+		if secret == "" {
+			return nil, fieldErr("auth.file", "%s is empty", a.File)
+		}
+	default:
+		return nil, fieldErr("auth.env", "auth needs env (an environment variable) or file")
+	}
+	switch a.Scheme {
+	case "", "bearer":
+		return &auth{header: "Authorization", value: "Bearer " + secret, secret: secret}, nil
+	case "basic":
+		// The secret is "user:password" (Stripe: "sk_...:").
+		user, pass, _ := strings.Cut(secret, ":")
+		r := &http.Request{Header: http.Header{}}
+		r.SetBasicAuth(user, pass)
+		return &auth{header: "Authorization", value: r.Header.Get("Authorization"), secret: secret}, nil
+	case "header":
+		if a.Header == "" {
+			return nil, fieldErr("auth.header", "is required with scheme header")
+		}
+		return &auth{header: a.Header, value: secret, secret: secret}, nil
+	}
+	return nil, fieldErr("auth.scheme", "want bearer, basic or header, got %q", a.Scheme)
+}
+
+func (c *config) tmpl(field, s string) (template, error) {
+	t, err := compileTemplate(s, c.intent)
+	if err != nil {
+		return template{}, fieldErr(field, "%v", err)
+	}
+	return t, nil
+}
+
+func (c *config) ptr(field, s string) (pointer, error) {
+	p, err := parsePointer(s)
+	if err != nil {
+		return pointer{}, fieldErr(field, "%v", err)
+	}
+	return p, nil
+}
+
+func (c *config) queryTemplates(field string, q map[string]string) (map[string]template, error) {
+	out := map[string]template{}
+	for k, v := range q {
+		t, err := c.tmpl(field+"."+k, v)
+		if err != nil {
+			return nil, err
+		}
+		out[k] = t
+	}
+	return out, nil
+}
+
+func method(field, m string) (string, error) {
+	switch strings.ToUpper(m) {
+	case "", http.MethodGet:
+		return http.MethodGet, nil
+	case http.MethodPost:
+		// Some search APIs take POST; the adapter never sends a body, and
+		// the operator vouches that the endpoint only reads.
+		return http.MethodPost, nil
+	}
+	return "", fieldErr(field, "want GET or POST (a readback never changes anything), got %q", m)
+}
+
+func (c *config) compileSearch(s settingsYAML) error {
+	sy := s.Search
+	sc := &searchConfig{createdAtFormat: sy.CreatedAtFormat}
+	var err error
+	if sc.method, err = method("search.method", sy.Method); err != nil {
+		return err
+	}
+	if sy.Path == "" {
+		return fieldErr("search.path", "is required")
+	}
+	if sc.path, err = c.tmpl("search.path", sy.Path); err != nil {
+		return err
+	}
+	if sc.query, err = c.queryTemplates("search.query", sy.Query); err != nil {
+		return err
+	}
+	if sy.Items == nil {
+		return fieldErr("search.items", "is required (a JSON pointer to the list; empty for a top-level array)")
+	}
+	if sc.items, err = c.ptr("search.items", *sy.Items); err != nil {
+		return err
+	}
+	if sy.ID == "" {
+		return fieldErr("search.id", "is required (a JSON pointer to each item's id)")
+	}
+	if sc.id, err = c.ptr("search.id", sy.ID); err != nil {
+		return err
+	}
+	if sy.CreatedAt == "" {
+		return fieldErr("search.created_at", "is required (a JSON pointer to each item's creation time)")
+	}
+	if sc.createdAt, err = c.ptr("search.created_at", sy.CreatedAt); err != nil {
+		return err
+	}
+	switch sy.CreatedAtFormat {
+	case "", "rfc3339", "unix", "unix_ms":
+	default:
+		return fieldErr("search.created_at_format", "want rfc3339, unix or unix_ms, got %q", sy.CreatedAtFormat)
+	}
+	c.search = sc
+	if err := c.compilePagination(sy.Pagination); err != nil {
+		return err
+	}
+	if s.Compare != nil {
+		return fieldErr("compare", "applies to fetch (update), not to search")
+	}
+	if s.Guard != nil {
+		return fieldErr("guard", "applies to fetch (delete), not to search")
+	}
+	if s.Match == nil || (s.Match.Marker == nil && s.Match.Fingerprint == nil) {
+		return fieldErr("match", "a search needs match.marker or match.fingerprint")
+	}
+	if m := s.Match.Marker; m != nil {
+		mc := &markerConfig{}
+		if mc.pointer, err = c.ptr("match.marker.pointer", m.Pointer); err != nil {
+			return err
+		}
+		if m.Pointer == "" {
+			return fieldErr("match.marker.pointer", "is required")
+		}
+		if (m.Equals == "") == (m.Contains == "") {
+			return fieldErr("match.marker.equals", "set exactly one of equals or contains")
+		}
+		if mc.equals, err = c.tmpl("match.marker.equals", m.Equals); err != nil {
+			return err
+		}
+		if mc.contains, err = c.tmpl("match.marker.contains", m.Contains); err != nil {
+			return err
+		}
+		c.marker = mc
+	}
+	if f := s.Match.Fingerprint; f != nil {
+		if len(f.Fields) == 0 {
+			return fieldErr("match.fingerprint.fields", "is required: payload pointer -> item pointer")
+		}
+		fc := &fpConfig{drop: f.Drop}
+		if fc.fields, err = c.pairs("match.fingerprint.fields", f.Fields); err != nil {
+			return err
+		}
+		for i, d := range f.Drop {
+			if _, err := parsePointer(d); err != nil {
+				return fieldErr(fmt.Sprintf("match.fingerprint.drop[%d]", i), "%v", err)
+			}
+		}
+		c.fp = fc
+	}
+	return nil
+}
+
+// pairs compiles a payload-pointer -> resource-pointer map in a stable order.
+func (c *config) pairs(field string, m map[string]string) ([]fieldPair, error) {
+	keys := make([]string, 0, len(m))
+	for k := range m {
+		keys = append(keys, k)
+	}
+	sort.Strings(keys)
+	out := make([]fieldPair, 0, len(keys))
+	probe := map[string]any{}
+	for _, k := range keys {
+		pp, err := c.ptr(field+"."+k, k)
+		if err != nil {
+			return nil, err
+		}
+		if len(pp.tokens) == 0 {
+			return nil, fieldErr(field+"."+k, "the payload pointer must name a field")
+		}
+		if err := pp.set(probe, true); err != nil {
+			return nil, fieldErr(field+"."+k, "%v", err)
+		}
+		rp, err := c.ptr(field+"."+k, m[k])
+		if err != nil {
+			return nil, err
+		}
+		out = append(out, fieldPair{payload: pp, resource: rp})
+	}
+	return out, nil
+}
+
+func (c *config) compilePagination(p *paginationYAML) error {
+	pg := paginationYAML{Style: "none", MaxPages: 10}
+	if p != nil {
+		pg = *p
+		if pg.Style == "" {
+			pg.Style = "none"
+		}
+		if pg.MaxPages == 0 {
+			pg.MaxPages = 10
+		}
+	}
+	if pg.MaxPages < 1 || pg.MaxPages > 1000 {
+		return fieldErr("search.pagination.max_pages", "want 1 to 1000, got %d", pg.MaxPages)
+	}
+	switch pg.Style {
+	case "none", "link":
+	case "cursor":
+		if pg.Cursor == "" {
+			return fieldErr("search.pagination.cursor", "is required with style cursor (a JSON pointer to the next cursor)")
+		}
+		if _, err := c.ptr("search.pagination.cursor", pg.Cursor); err != nil {
+			return err
+		}
+		if _, err := c.ptr("search.pagination.has_more", pg.HasMore); err != nil {
+			return err
+		}
+		if pg.Param == "" {
+			return fieldErr("search.pagination.param", "is required with style cursor (the query parameter carrying the cursor)")
+		}
+	case "page":
+		if pg.Param == "" {
+			return fieldErr("search.pagination.param", "is required with style page")
+		}
+		if pg.Start == nil {
+			one := 1
+			pg.Start = &one
+		}
+	default:
+		return fieldErr("search.pagination.style", "want none, cursor, link or page, got %q", pg.Style)
+	}
+	c.pagination = pg
+	return nil
+}
+
+func (c *config) compileFetch(s settingsYAML) error {
+	fy := s.Fetch
+	fc := &fetchConfig{gone: fy.Gone}
+	var err error
+	if fc.method, err = method("fetch.method", fy.Method); err != nil {
+		return err
+	}
+	path := fy.Path
+	if path == "" {
+		path = "{receipt.target}"
+	}
+	if fc.path, err = c.tmpl("fetch.path", path); err != nil {
+		return err
+	}
+	if fc.query, err = c.queryTemplates("fetch.query", fy.Query); err != nil {
+		return err
+	}
+	if fc.id, err = c.ptr("fetch.id", fy.ID); err != nil {
+		return err
+	}
+	if fy.ID == "" {
+		return fieldErr("fetch.id", "is required (a JSON pointer to the resource's id)")
+	}
+	if len(fc.gone) == 0 {
+		fc.gone = []int{http.StatusNotFound, http.StatusGone}
+	}
+	for i, g := range fc.gone {
+		if g < 400 || g > 499 || g == http.StatusUnauthorized || g == http.StatusForbidden || g == http.StatusTooManyRequests {
+			return fieldErr(fmt.Sprintf("fetch.gone[%d]", i), "%d cannot mean the resource is gone", g)
+		}
+	}
+	if s.Match != nil {
+		return fieldErr("match", "applies to search (create), not to fetch")
+	}
+	if s.Guard != nil {
+		if s.Compare != nil {
+			return fieldErr("guard", "guard (delete) and compare (update) exclude each other")
+		}
+		if len(s.Guard.Fields) == 0 {
+			return fieldErr("guard.fields", "is required: resource pointers")
+		}
+		for i, g := range s.Guard.Fields {
+			p, err := c.ptr(fmt.Sprintf("guard.fields[%d]", i), g)
+			if err != nil {
+				return err
+			}
+			c.guard = append(c.guard, p)
+		}
+	}
+	if s.Compare != nil {
+		if len(s.Compare.Fields) == 0 {
+			return fieldErr("compare.fields", "is required: payload pointer -> resource pointer")
+		}
+		if c.compare, err = c.pairs("compare.fields", s.Compare.Fields); err != nil {
+			return err
+		}
+	}
+	c.fetch = fc
+	return nil
+}
+
+// kinds returns the operation kinds this configuration can read back.
+func (c *config) kinds() []readback.Kind {
+	switch {
+	case c.search != nil:
+		return []readback.Kind{readback.Create}
+	case len(c.compare) > 0:
+		return []readback.Kind{readback.Update}
+	}
+	return []readback.Kind{readback.Delete}
+}

@@ -1,0 +1,225 @@
+package httpadapter
+
+import (
+	"encoding/json"
+	"errors"
+	"fmt"
+	"net/url"
+	"sort"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/receiptledger/reconciler/readback"
+)
+
+// A template is a string with {placeholders} over the receipt, its time
+// window and the declared intent fields. It is compiled at load time so a
+// reference to an unknown placeholder or an undeclared intent field is a
+// configuration error, not a failed check at 3 a.m.
+type template struct {
+	parts []tmplPart
+}
+
+type tmplPart struct {
+	lit    string
+	ref    string // "" for a literal
+	filter string // "" or "squote"
+}
+
+// receiptRefs are the placeholders that need no declaration.
+func receiptRefs() []string {
+	return []string{"receipt.id", "receipt.idempotency_key", "receipt.external_id", "receipt.target",
+		"receipt.operation", "receipt.dependency", "receipt.fingerprint",
+		"window.start", "window.end", "window.start_unix", "window.end_unix"}
+}
+
+// compileTemplate parses s; intentFields are the declared intent field names.
+// "{{" and "}}" stand for literal braces.
+func compileTemplate(s string, intentFields map[string]string) (template, error) {
+	var t template
+	var lit strings.Builder
+	for i := 0; i < len(s); i++ {
+		c := s[i]
+		switch {
+		case c == '{' && i+1 < len(s) && s[i+1] == '{':
+			lit.WriteByte('{')
+			i++
+		case c == '}' && i+1 < len(s) && s[i+1] == '}':
+			lit.WriteByte('}')
+			i++
+		case c == '}':
+			return template{}, fmt.Errorf("unmatched } at offset %d (write }} for a literal brace)", i)
+		case c == '{':
+			end := strings.IndexByte(s[i:], '}')
+			if end < 0 {
+				return template{}, fmt.Errorf("unclosed { at offset %d", i)
+			}
+			ref := strings.TrimSpace(s[i+1 : i+end])
+			filter := ""
+			if j := strings.IndexByte(ref, '|'); j >= 0 {
+				ref, filter = strings.TrimSpace(ref[:j]), strings.TrimSpace(ref[j+1:])
+				if filter != "squote" {
+					return template{}, fmt.Errorf("unknown filter %q in {%s} (known: squote)", filter, s[i+1:i+end])
+				}
+			}
+			if err := checkRef(ref, intentFields); err != nil {
+				return template{}, err
+			}
+			if lit.Len() > 0 {
+				t.parts = append(t.parts, tmplPart{lit: lit.String()})
+				lit.Reset()
+			}
+			t.parts = append(t.parts, tmplPart{ref: ref, filter: filter})
+			i += end
+		default:
+			lit.WriteByte(c)
+		}
+	}
+	if lit.Len() > 0 {
+		t.parts = append(t.parts, tmplPart{lit: lit.String()})
+	}
+	return t, nil
+}
+
+func checkRef(ref string, intentFields map[string]string) error {
+	if name, ok := strings.CutPrefix(ref, "intent."); ok {
+		if _, declared := intentFields[name]; declared {
+			return nil
+		}
+		names := make([]string, 0, len(intentFields))
+		for k := range intentFields {
+			names = append(names, k)
+		}
+		sort.Strings(names)
+		return fmt.Errorf("unknown intent field %q in {%s} (declared in intent_fields: %s)",
+			name, ref, strings.Join(names, ", "))
+	}
+	for _, r := range receiptRefs() {
+		if r == ref {
+			return nil
+		}
+	}
+	return fmt.Errorf("unknown placeholder {%s} (known: %s, intent.<name>)", ref, strings.Join(receiptRefs(), ", "))
+}
+
+// empty reports whether the template has no parts.
+func (t template) empty() bool { return len(t.parts) == 0 }
+
+// refs returns whether the template references ref.
+func (t template) refs(ref string) bool {
+	for _, p := range t.parts {
+		if p.ref == ref {
+			return true
+		}
+	}
+	return false
+}
+
+// scope is what a template is rendered against: one receipt at one check.
+type scope struct {
+	r           readback.Receipt
+	start, end  time.Time
+	payload     map[string]any // nil when the intent has no object payload
+	intentField map[string]string
+}
+
+// errMissingField means the receipt lacks a value a template needs: the
+// configuration does not fit the operation's intent (permanent).
+var errMissingField = errors.New("value missing from the receipt")
+
+// value returns the string value of one placeholder.
+func (s *scope) value(ref string) (string, error) {
+	switch ref {
+	case "receipt.id":
+		return strconv.FormatInt(s.r.ID, 10), nil
+	case "receipt.idempotency_key":
+		return s.r.IdempotencyKey, nil
+	case "receipt.external_id":
+		if s.r.ExternalID == "" {
+			return "", fmt.Errorf("{receipt.external_id}: %w (no external id recorded)", errMissingField)
+		}
+		return s.r.ExternalID, nil
+	case "receipt.target":
+		return s.r.Target, nil
+	case "receipt.operation":
+		return s.r.Operation, nil
+	case "receipt.dependency":
+		return s.r.Dependency, nil
+	case "receipt.fingerprint":
+		return s.r.Fingerprint, nil
+	case "window.start":
+		return s.start.UTC().Format(time.RFC3339), nil
+	case "window.end":
+		return s.end.UTC().Format(time.RFC3339), nil
+	case "window.start_unix":
+		return strconv.FormatInt(s.start.Unix(), 10), nil
+	case "window.end_unix":
+		return strconv.FormatInt(s.end.Unix(), 10), nil
+	}
+	name, _ := strings.CutPrefix(ref, "intent.")
+	ptr := s.intentField[name]
+	v, ok := lookup(s.payload, ptr)
+	if !ok {
+		return "", fmt.Errorf("{%s}: %w (no %s in the intent's payload)", ref, errMissingField, ptr)
+	}
+	return scalarString(v)
+}
+
+// scalarString renders a JSON scalar as template text.
+func scalarString(v any) (string, error) {
+	switch x := v.(type) {
+	case string:
+		return x, nil
+	case json.Number:
+		return x.String(), nil
+	case bool:
+		return strconv.FormatBool(x), nil
+	}
+	return "", fmt.Errorf("%w: want a string, number or boolean, got %s", errMissingField, jsonType(v))
+}
+
+// render expands t. pathEscape escapes every value for a URL path except
+// receipt.target, which is a path itself.
+func (t template) render(s *scope, pathEscape bool) (string, error) {
+	var b strings.Builder
+	for _, p := range t.parts {
+		if p.ref == "" {
+			b.WriteString(p.lit)
+			continue
+		}
+		v, err := s.value(p.ref)
+		if err != nil {
+			return "", err
+		}
+		if p.filter == "squote" {
+			// Search languages quoting with '...' (Stripe) need the quote
+			// and the backslash escaped, or a key holding one would turn a
+			// search for it into a search for nothing: a false absence.
+			v = strings.NewReplacer(`\`, `\\`, `'`, `\'`).Replace(v)
+		}
+		if pathEscape && p.ref != "receipt.target" {
+			v = url.PathEscape(v)
+		}
+		b.WriteString(v)
+	}
+	return b.String(), nil
+}
+
+func jsonType(v any) string {
+	switch v.(type) {
+	case nil:
+		return "null"
+	case map[string]any:
+		return "an object"
+	case []any:
+		return "an array"
+	case string:
+		return "a string"
+	case json.Number:
+		return "a number"
+	case bool:
+		return "a boolean"
+	}
+	return fmt.Sprintf("%T", v)
+}

@@ -1,0 +1,100 @@
+package reconcile
+
+import (
+	"github.com/prometheus/client_golang/prometheus"
+)
+
+// Metrics are the reconciler's Prometheus metrics. Labels are bounded sets
+// (verdicts, reasons, adapter and dependency names from the configuration,
+// error classes); receipt ids never appear in labels.
+type Metrics struct {
+	Settlements   *prometheus.CounterVec   // state, reason
+	Checks        *prometheus.CounterVec   // adapter, outcome
+	CheckLatency  *prometheus.HistogramVec // adapter
+	Failures      *prometheus.CounterVec   // dependency, class
+	Deferrals     *prometheus.CounterVec   // dependency
+	Rescheduled   prometheus.Counter
+	LeaseLost     prometheus.Counter
+	Claimed       prometheus.Counter
+	Orphans       prometheus.Counter
+	Duplicates    prometheus.Counter
+	Backlog       *prometheus.GaugeVec // state
+	StalePlanned  prometheus.Gauge
+	OldestUnknown prometheus.Gauge
+	Breaker       *prometheus.GaugeVec // dependency, state
+	DBErrors      prometheus.Counter
+}
+
+// NewMetrics creates the metrics and registers them with reg (a fresh
+// prometheus.NewRegistry() in production and tests alike: no global state).
+func NewMetrics(reg prometheus.Registerer) *Metrics {
+	m := &Metrics{
+		Settlements: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "reconciler_settlements_total",
+			Help: "Receipts settled, by resulting state (succeeded, safe_to_retry, manual_review) and reason.",
+		}, []string{"state", "reason"}),
+		Checks: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "reconciler_checks_total",
+			Help: "Readback checks, by adapter and outcome (present, absent, inconclusive, diverged, transient, permanent).",
+		}, []string{"adapter", "outcome"}),
+		CheckLatency: prometheus.NewHistogramVec(prometheus.HistogramOpts{
+			Name:    "reconciler_check_duration_seconds",
+			Help:    "Latency of readback checks, by adapter.",
+			Buckets: prometheus.ExponentialBuckets(0.001, 4, 9),
+		}, []string{"adapter"}),
+		Failures: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "reconciler_check_failures_total",
+			Help: "Failed readback checks, by dependency and error class (transient, permanent).",
+		}, []string{"dependency", "class"}),
+		Deferrals: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "reconciler_deferrals_total",
+			Help: "Checks not made because the dependency's protection refused them (open breaker, rate limit, budget); the rows were rescheduled.",
+		}, []string{"dependency"}),
+		Rescheduled: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "reconciler_rescheduled_total",
+			Help: "Rows released with a next check time (inconclusive, not yet conclusive, transient error).",
+		}),
+		LeaseLost: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "reconciler_lease_lost_total",
+			Help: "Outcomes discarded because the row's lease had expired and another holder had it.",
+		}),
+		Claimed: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "reconciler_claimed_total",
+			Help: "Rows claimed.",
+		}),
+		Orphans: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "reconciler_orphans_total",
+			Help: "Stale submitted receipts moved to outcome_unknown by this instance.",
+		}),
+		Duplicates: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "reconciler_duplicates_detected_total",
+			Help: "Creates that matched more than one external resource (settled succeeded, alarm recorded).",
+		}),
+		Backlog: prometheus.NewGaugeVec(prometheus.GaugeOpts{
+			Name: "reconciler_backlog",
+			Help: "Receipts in each non-terminal state (planned, submitted, outcome_unknown, reconciling, manual_review).",
+		}, []string{"state"}),
+		StalePlanned: prometheus.NewGauge(prometheus.GaugeOpts{
+			Name: "reconciler_stale_planned",
+			Help: "Planned receipts with no transition for longer than the stale-planned threshold (counted, never touched).",
+		}),
+		OldestUnknown: prometheus.NewGauge(prometheus.GaugeOpts{
+			Name: "reconciler_oldest_outcome_unknown_age_seconds",
+			Help: "Time since submission of the oldest receipt still outcome_unknown.",
+		}),
+		Breaker: prometheus.NewGaugeVec(prometheus.GaugeOpts{
+			Name: "reconciler_breaker_state",
+			Help: "1 for the current breaker state of each dependency (closed, half_open, open), 0 for the others.",
+		}, []string{"dependency", "state"}),
+		DBErrors: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "reconciler_database_errors_total",
+			Help: "Failed claim, complete or sweep statements (retried).",
+		}),
+	}
+	if reg != nil {
+		reg.MustRegister(m.Settlements, m.Checks, m.CheckLatency, m.Failures, m.Deferrals,
+			m.Rescheduled, m.LeaseLost, m.Claimed, m.Orphans, m.Duplicates, m.Backlog,
+			m.StalePlanned, m.OldestUnknown, m.Breaker, m.DBErrors)
+	}
+	return m
+}

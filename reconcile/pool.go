@@ -1,0 +1,728 @@
+// Package reconcile is the reconciler's worker pool: it claims due
+// receipts in batches (outcome_unknown, and reconciling rows whose wait or
+// lease is over), reads each back through its adapter, and settles or
+// releases them in batches: succeeded, safe_to_retry or manual_review with
+// the evidence, or back to the database with the time of the next check.
+//
+// Nothing sleeps while holding a row: a row waiting for its next check
+// carries next_check_at and no lease, so waits survive restarts and slow
+// rows cannot starve the pool. Several instances share one database safely:
+// claims use FOR UPDATE SKIP LOCKED, and every write after a claim is
+// guarded by the claim's lease token and the reconciling state.
+package reconcile
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/receiptledger/reconciler/readback"
+	"github.com/receiptledger/reconciler/statemachine"
+)
+
+// Config configures a Pool. Zero fields take the documented defaults.
+type Config struct {
+	// Instance names this reconciler: its actor is "reconciler:<Instance>".
+	Instance string
+	// Registry finds each receipt's adapter; nil means none (every receipt
+	// goes to manual_review as adapter-less).
+	Registry *readback.Registry
+	// Gate protects the dependencies; nil admits every check.
+	Gate Gate
+	// Now is the clock (default time.Now). Lease, due and window
+	// arithmetic use it, so tests can drive time.
+	Now func() time.Time
+	// Int63n draws the jitter (default math/rand/v2).
+	Int63n func(n int64) int64
+	// Logger receives JSON-ready structured logs (default: discard).
+	Logger *slog.Logger
+	// Metrics, if set, is updated as the pool works.
+	Metrics *Metrics
+
+	// Workers is the number of concurrent checks (default 32).
+	Workers int
+	// BatchSize bounds one claim and one completion statement (default 512).
+	BatchSize int
+	// MaxInFlight bounds the rows claimed and not yet completed
+	// (default 3·max(Workers, BatchSize)); a row waiting in the pool holds
+	// its lease, so this should stay a few batches at most.
+	MaxInFlight int
+	// Flushers is the number of completion batches written concurrently
+	// (default 2).
+	Flushers int
+	// Lease is how long a claim holds a row (default 2m). A check starts
+	// only if it can finish within the lease.
+	Lease time.Duration
+	// CheckTimeout bounds one adapter call (default 30s).
+	CheckTimeout time.Duration
+	// PollInterval is the fallback wake-up when no NOTIFY arrives, and the
+	// cadence of the orphan sweep (default 5s).
+	PollInterval time.Duration
+	// FlushInterval is the longest an outcome waits to be written with
+	// others (default 20ms).
+	FlushInterval time.Duration
+	// OrphanTimeout: a submitted receipt with no transition for longer is
+	// moved to outcome_unknown (default 5m; negative disables the sweep).
+	OrphanTimeout time.Duration
+	// StalePlannedAfter: planned receipts older than this are counted in
+	// metrics and stats, never touched (default 1h).
+	StalePlannedAfter time.Duration
+	// GracePeriod is how long in-flight checks may run after the context
+	// is cancelled before they are cancelled and their rows released
+	// (default 20s).
+	GracePeriod time.Duration
+	// MetricsInterval is how often backlog gauges are refreshed (default 15s).
+	MetricsInterval time.Duration
+}
+
+func (c Config) withDefaults() Config {
+	def := func(d *time.Duration, v time.Duration) {
+		if *d == 0 {
+			*d = v
+		}
+	}
+	if c.Now == nil {
+		c.Now = time.Now
+	}
+	if c.Logger == nil {
+		c.Logger = slog.New(slog.DiscardHandler)
+	}
+	if c.Gate == nil {
+		c.Gate = openGate{}
+	}
+	if c.Registry == nil {
+		c.Registry = readback.NewRegistry()
+	}
+	if c.Workers == 0 {
+		c.Workers = 32
+	}
+	if c.BatchSize == 0 {
+		c.BatchSize = 512
+	}
+	if c.MaxInFlight == 0 {
+		c.MaxInFlight = 3 * max(c.Workers, c.BatchSize)
+	}
+	if c.Flushers == 0 {
+		c.Flushers = 2
+	}
+	def(&c.Lease, 2*time.Minute)
+	def(&c.CheckTimeout, 30*time.Second)
+	def(&c.PollInterval, 5*time.Second)
+	def(&c.FlushInterval, 20*time.Millisecond)
+	def(&c.OrphanTimeout, 5*time.Minute)
+	def(&c.StalePlannedAfter, time.Hour)
+	def(&c.GracePeriod, 20*time.Second)
+	def(&c.MetricsInterval, 15*time.Second)
+	return c
+}
+
+func (c Config) validate() error {
+	bad := func(format string, args ...any) error {
+		return fmt.Errorf("reconcile: %w: %s", ErrInvalidConfig, fmt.Sprintf(format, args...))
+	}
+	switch {
+	case c.Workers < 1:
+		return bad("workers must be at least 1, got %d", c.Workers)
+	case c.Flushers < 1:
+		return bad("flushers must be at least 1, got %d", c.Flushers)
+	case c.BatchSize < 1:
+		return bad("batch size must be at least 1, got %d", c.BatchSize)
+	case c.MaxInFlight < c.BatchSize:
+		return bad("max in flight (%d) must be at least the batch size (%d)", c.MaxInFlight, c.BatchSize)
+	case c.CheckTimeout <= 0 || c.Lease <= 0 || c.PollInterval <= 0 || c.FlushInterval <= 0 || c.GracePeriod < 0:
+		return bad("durations must be positive")
+	case c.Lease < 2*c.CheckTimeout:
+		// A check must be able to start after waiting in the pool and still
+		// finish inside the lease, or its outcome would always be lost.
+		return bad("lease (%s) must be at least twice the check timeout (%s)", c.Lease, c.CheckTimeout)
+	}
+	return nil
+}
+
+// Pool claims, checks and settles receipts. Create it with New; Run and
+// Drain may be called once each, not concurrently.
+type Pool struct {
+	cfg   Config
+	db    *pgxpool.Pool
+	store *Store
+	dec   decider
+	log   *slog.Logger
+	m     *Metrics
+}
+
+// New returns a pool over db. It validates cfg (ErrInvalidConfig).
+func New(db *pgxpool.Pool, cfg Config) (*Pool, error) {
+	cfg = cfg.withDefaults()
+	if err := cfg.validate(); err != nil {
+		return nil, err
+	}
+	store, err := NewStore(db, cfg.Instance)
+	if err != nil {
+		return nil, err
+	}
+	return &Pool{
+		cfg: cfg, db: db, store: store,
+		dec: decider{int63n: cfg.Int63n},
+		log: cfg.Logger.With("instance", cfg.Instance),
+		m:   cfg.Metrics,
+	}, nil
+}
+
+// Store returns the pool's store (claims, completions, backlog).
+func (p *Pool) Store() *Store { return p.store }
+
+// Summary counts what a Run or Drain did.
+type Summary struct {
+	Claimed int
+	// Settled counts settlements by resulting state.
+	Settled map[statemachine.State]int
+	// Reasons counts settlements by reason.
+	Reasons map[string]int
+	// Waiting counts rows released to wait for a later check (including
+	// deferrals and rows released at shutdown).
+	Waiting int
+	// Deferred counts checks the Gate refused (rescheduled).
+	Deferred int
+	// CheckErrors counts checks that failed (transient or permanent).
+	CheckErrors int
+	// LeaseLost counts outcomes discarded because the lease had moved on.
+	LeaseLost int
+	// Orphans counts submitted receipts moved to outcome_unknown.
+	Orphans int
+	// DBErrors counts failed statements (retried or given up).
+	DBErrors int
+	// Duplicates counts duplicate alarms raised.
+	Duplicates int
+}
+
+func newSummary() Summary {
+	return Summary{Settled: map[statemachine.State]int{}, Reasons: map[string]int{}}
+}
+
+// Run works until ctx is cancelled: it wakes on NOTIFY or every poll
+// interval, sweeps orphans, claims what is due and settles it. On
+// cancellation it stops claiming, lets in-flight checks finish within the
+// grace period, releases the rest, and returns nil.
+func (p *Pool) Run(ctx context.Context) (Summary, error) {
+	return p.serve(ctx, false)
+}
+
+// Drain sweeps orphans, works what is due now (rows rescheduled meanwhile
+// wait for a later run) and returns a summary. An error means the pool
+// could not run (database unreachable), never that a receipt needed review.
+func (p *Pool) Drain(ctx context.Context) (Summary, error) {
+	return p.serve(ctx, true)
+}
+
+// session is the state of one Run or Drain.
+type session struct {
+	p        *Pool
+	stop     context.Context // cancelled: stop claiming and starting checks
+	work     context.Context // cancelled at the end of the grace period
+	jobs     chan Claimed
+	outcomes chan Outcome
+	space    chan struct{}
+	inflight atomic.Int64 // claimed and not yet completed
+	flushing atomic.Int64 // handed to a writer, not yet completed
+
+	mu      sync.Mutex
+	summary Summary
+}
+
+func (p *Pool) serve(ctx context.Context, once bool) (Summary, error) {
+	work, cancelWork := context.WithCancel(context.WithoutCancel(ctx))
+	defer cancelWork()
+	s := &session{
+		p: p, stop: ctx, work: work,
+		jobs:     make(chan Claimed, p.cfg.MaxInFlight),
+		outcomes: make(chan Outcome, p.cfg.MaxInFlight),
+		space:    make(chan struct{}, 1),
+		summary:  newSummary(),
+	}
+	finished := make(chan struct{})
+	defer close(finished)
+	go func() {
+		select {
+		case <-ctx.Done():
+		case <-finished:
+			return
+		}
+		t := time.NewTimer(p.cfg.GracePeriod)
+		defer t.Stop()
+		select {
+		case <-t.C:
+			cancelWork()
+		case <-finished:
+		}
+	}()
+
+	var workers, completer sync.WaitGroup
+	for range p.cfg.Workers {
+		workers.Go(func() {
+			for c := range s.jobs {
+				s.outcomes <- s.process(c)
+			}
+		})
+	}
+	completer.Go(s.complete)
+
+	wake := make(chan struct{}, 1)
+	if !once {
+		listenCtx, stopListen := context.WithCancel(ctx)
+		defer stopListen()
+		go p.listen(listenCtx, wake)
+	}
+	err := s.claimLoop(once, wake)
+
+	close(s.jobs)
+	workers.Wait()
+	close(s.outcomes)
+	completer.Wait()
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.summary, err
+}
+
+func (s *session) claimLoop(once bool, wake <-chan struct{}) error {
+	p := s.p
+	cfg := p.cfg
+	poll := time.NewTicker(cfg.PollInterval)
+	defer poll.Stop()
+	var lastSweep, lastMetrics time.Time
+	sweep := func() error {
+		orphans, err := p.store.SweepOrphans(s.stop, cfg.Now(), cfg.OrphanTimeout, cfg.BatchSize)
+		for _, o := range orphans {
+			p.log.Info("orphaned submitted receipt moved to outcome_unknown",
+				"receipt_id", o.ID, "dependency", o.Dependency)
+		}
+		if p.m != nil {
+			p.m.Orphans.Add(float64(len(orphans)))
+		}
+		s.mu.Lock()
+		s.summary.Orphans += len(orphans)
+		s.mu.Unlock()
+		return err
+	}
+	if err := sweep(); err != nil && s.stop.Err() == nil {
+		s.dbError("orphan sweep", err)
+		if once {
+			return err
+		}
+	}
+	lastSweep = time.Now()
+	// Drain works what is due at its start: rows it reschedules are due
+	// later and wait for the next run, so a cron run always ends.
+	cutoff := cfg.Now()
+	dbFailures := 0
+	for s.stop.Err() == nil {
+		if !once && time.Since(lastSweep) >= cfg.PollInterval {
+			if err := sweep(); err != nil && s.stop.Err() == nil {
+				s.dbError("orphan sweep", err)
+			}
+			lastSweep = time.Now()
+		}
+		if !once && p.m != nil && time.Since(lastMetrics) >= cfg.MetricsInterval {
+			p.refreshGauges(s.stop)
+			lastMetrics = time.Now()
+		}
+		free := int64(cfg.MaxInFlight) - s.inflight.Load()
+		if free < int64(min(cfg.BatchSize, cfg.MaxInFlight/2)) && s.inflight.Load() > 0 {
+			s.waitSpace()
+			continue
+		}
+		limit := int(min(free, int64(cfg.BatchSize)))
+		at := cfg.Now()
+		if once {
+			at = cutoff
+		}
+		// The claim outlives the stop signal: cancelled mid-statement it
+		// could commit leases this process would never hear of, leaving
+		// rows held until their lease expires.
+		claimCtx, cancel := context.WithTimeout(context.WithoutCancel(s.stop), 30*time.Second)
+		rows, err := p.store.Claim(claimCtx, at, limit, cfg.Lease)
+		cancel()
+		if err != nil {
+			if s.stop.Err() != nil {
+				break
+			}
+			s.dbError("claim", err)
+			dbFailures++
+			if once && dbFailures >= 3 {
+				return err
+			}
+			s.pause(wake, poll.C, min(time.Duration(dbFailures)*time.Second, cfg.PollInterval))
+			continue
+		}
+		dbFailures = 0
+		if len(rows) > 0 {
+			s.inflight.Add(int64(len(rows)))
+			if p.m != nil {
+				p.m.Claimed.Add(float64(len(rows)))
+			}
+			s.mu.Lock()
+			s.summary.Claimed += len(rows)
+			s.mu.Unlock()
+			for _, c := range rows {
+				s.jobs <- c // never blocks: the channel holds MaxInFlight rows
+			}
+		}
+		if len(rows) == limit {
+			continue // maybe more due
+		}
+		if once {
+			if s.inflight.Load() == 0 {
+				return nil
+			}
+			s.waitSpace()
+			continue
+		}
+		select {
+		case <-s.stop.Done():
+		case <-wake:
+		case <-poll.C:
+		}
+	}
+	return nil
+}
+
+// waitSpace waits until the completer frees room or the session stops.
+func (s *session) waitSpace() {
+	select {
+	case <-s.space:
+	case <-s.stop.Done():
+	}
+}
+
+// pause waits d, a wake-up, or the stop.
+func (s *session) pause(wake <-chan struct{}, poll <-chan time.Time, d time.Duration) {
+	t := time.NewTimer(d)
+	defer t.Stop()
+	select {
+	case <-t.C:
+	case <-wake:
+	case <-poll:
+	case <-s.stop.Done():
+	}
+}
+
+func (s *session) dbError(what string, err error) {
+	s.p.log.Error("database statement failed", "statement", what, "error", err)
+	if s.p.m != nil {
+		s.p.m.DBErrors.Inc()
+	}
+	s.mu.Lock()
+	s.summary.DBErrors++
+	s.mu.Unlock()
+}
+
+// process decides one claimed row: settle without a check (no adapter,
+// blind), release (stopping, lease too short, deferred by the gate), or
+// check and decide.
+func (s *session) process(c Claimed) Outcome {
+	p := s.p
+	cfg := p.cfg
+	now := cfg.Now()
+	b, ok := cfg.Registry.Lookup(c.Operation, c.Dependency)
+	if !ok {
+		return p.dec.manual(now, c, nil, ReasonNoAdapter)
+	}
+	if b.Kind == readback.Blind {
+		return p.dec.manual(now, c, b, ReasonBlind)
+	}
+	if s.stop.Err() != nil || now.Add(cfg.CheckTimeout).After(c.LeaseExpires) {
+		// Stopping, or the lease would run out mid-check: hand the row back
+		// for whoever claims next instead of racing the lease.
+		return p.dec.release(c, now)
+	}
+	gate := cfg.Gate
+	if l, ok := b.Adapter.(readback.Local); ok && l.Local() {
+		// Nothing is called: the dependency's protection has nothing to
+		// protect, and its rate limit would only slow the answer down.
+		gate = openGate{}
+	}
+	pass, err := gate.Enter(s.work, c.Dependency, c.Retry)
+	if err != nil {
+		var d *Deferral
+		if errors.As(err, &d) {
+			s.mu.Lock()
+			s.summary.Deferred++
+			s.mu.Unlock()
+			if p.m != nil {
+				p.m.Deferrals.WithLabelValues(c.Dependency).Inc()
+			}
+			p.log.Debug("check deferred", "receipt_id", c.ID, "dependency", c.Dependency,
+				"reason", d.Reason, "until", d.Until)
+			return p.dec.release(c, later(d.Until, now))
+		}
+		return p.dec.release(c, now)
+	}
+	ctx, cancel := context.WithTimeout(s.work, cfg.CheckTimeout)
+	start := time.Now()
+	res, cerr := safeCheck(ctx, b.Adapter, c.Receipt)
+	latency := time.Since(start)
+	cancel()
+	if s.work.Err() != nil {
+		// The grace period ran out mid-check: the answer is not the
+		// dependency's fault and not evidence; release the row.
+		pass.Exit(Cancelled, 0)
+		return p.dec.release(c, cfg.Now())
+	}
+	result, retryAfter := Answered, time.Duration(0)
+	if cerr != nil {
+		class, ra := readback.Classify(cerr)
+		result, retryAfter = FailedTransient, ra
+		if class == readback.Permanent {
+			result = FailedPermanent
+		}
+	}
+	pass.Exit(result, retryAfter)
+	out := p.dec.decide(cfg.Now(), c, b, res, cerr, latency)
+	if p.m != nil {
+		outcome := string(res.Verdict)
+		if cerr != nil {
+			outcome = string(result)
+			p.m.Failures.WithLabelValues(c.Dependency, string(result)).Inc()
+		}
+		p.m.Checks.WithLabelValues(b.Name, outcome).Inc()
+		p.m.CheckLatency.WithLabelValues(b.Name).Observe(latency.Seconds())
+	}
+	if cerr != nil {
+		s.mu.Lock()
+		s.summary.CheckErrors++
+		s.mu.Unlock()
+		p.log.Warn("readback check failed", "receipt_id", c.ID, "dependency", c.Dependency,
+			"adapter", b.Name, "class", string(result), "error", cerr)
+	}
+	return out
+}
+
+func later(a, b time.Time) time.Time {
+	if a.After(b) {
+		return a
+	}
+	return b
+}
+
+// safeCheck calls the adapter, turning a panic into a permanent error: a
+// bug in one adapter must not take the daemon down, and repeating the same
+// input would panic again.
+func safeCheck(ctx context.Context, a readback.Adapter, r readback.Receipt) (res readback.Result, err error) {
+	defer func() {
+		if v := recover(); v != nil {
+			err = readback.PermanentError(fmt.Errorf("adapter panicked: %v", v))
+		}
+	}()
+	return a.Check(ctx, r)
+}
+
+// complete collects outcomes and writes them in batches: when a batch is
+// full, when every claimed row has its outcome, or after FlushInterval.
+func (s *session) complete() {
+	cfg := s.p.cfg
+	// Several batches are written at once, so the database works on a
+	// claim and on completions in parallel instead of taking turns.
+	batches := make(chan []Outcome)
+	var writers sync.WaitGroup
+	for range cfg.Flushers {
+		writers.Go(func() {
+			for b := range batches {
+				s.flush(b)
+				s.flushing.Add(-int64(len(b)))
+			}
+		})
+	}
+	pending := make([]Outcome, 0, cfg.BatchSize)
+	timer := time.NewTimer(time.Hour)
+	timer.Stop()
+	armed := false
+	flush := func() {
+		if armed {
+			timer.Stop()
+			armed = false
+		}
+		if len(pending) > 0 {
+			s.flushing.Add(int64(len(pending)))
+			batches <- pending
+			pending = make([]Outcome, 0, cfg.BatchSize)
+		}
+	}
+	for {
+		select {
+		case o, ok := <-s.outcomes:
+			if !ok {
+				flush()
+				close(batches)
+				writers.Wait()
+				return
+			}
+			pending = append(pending, o)
+			// Flush a full batch, or when every row not already being
+			// written has its outcome: nothing more is coming soon.
+			if len(pending) >= cfg.BatchSize || int64(len(pending)) >= s.inflight.Load()-s.flushing.Load() {
+				flush()
+			} else if !armed {
+				timer.Reset(cfg.FlushInterval)
+				armed = true
+			}
+		case <-timer.C:
+			armed = false
+			flush()
+		}
+	}
+}
+
+// flush writes one batch of outcomes. Writes outlive the stop signal (a
+// release at shutdown is the point), bounded by their own timeout; a batch
+// that cannot be written is abandoned to lease expiry, which re-offers its
+// rows: checks are repeatable, settlements are guarded.
+func (s *session) flush(batch []Outcome) {
+	p := s.p
+	var applied []int64
+	var err error
+	for attempt := range 3 {
+		ctx, cancel := context.WithTimeout(context.WithoutCancel(s.stop), 30*time.Second)
+		applied, err = p.store.Complete(ctx, batch)
+		cancel()
+		if err == nil {
+			break
+		}
+		s.dbError("complete", err)
+		if attempt < 2 {
+			time.Sleep(time.Duration(attempt+1) * 200 * time.Millisecond)
+		}
+	}
+	ok := make(map[int64]bool, len(applied))
+	for _, id := range applied {
+		ok[id] = true
+	}
+	s.mu.Lock()
+	for _, o := range batch {
+		switch {
+		case err != nil:
+		case !ok[o.ID]:
+			s.summary.LeaseLost++
+			if p.m != nil {
+				p.m.LeaseLost.Inc()
+			}
+			p.log.Warn("outcome discarded: lease lost", "receipt_id", o.ID, "dependency", o.Dependency)
+		case o.Settles():
+			s.summary.Settled[o.To]++
+			s.summary.Reasons[o.Detail.Reason]++
+			if len(o.Duplicates) > 1 {
+				s.summary.Duplicates++
+			}
+			if p.m != nil {
+				p.m.Settlements.WithLabelValues(string(o.To), o.Detail.Reason).Inc()
+				if len(o.Duplicates) > 1 {
+					p.m.Duplicates.Inc()
+				}
+			}
+			if len(o.Duplicates) > 1 {
+				p.log.Warn("duplicate detected", "receipt_id", o.ID, "dependency", o.Dependency,
+					"adapter", o.Adapter, "matches", len(o.Duplicates))
+			}
+			p.log.Info("receipt settled", "receipt_id", o.ID, "dependency", o.Dependency,
+				"state", string(o.To), "reason", o.Detail.Reason, "adapter", o.Adapter)
+		default:
+			s.summary.Waiting++
+			if p.m != nil {
+				p.m.Rescheduled.Inc()
+			}
+		}
+	}
+	s.mu.Unlock()
+	s.inflight.Add(-int64(len(batch)))
+	select {
+	case s.space <- struct{}{}:
+	default:
+	}
+}
+
+// listen turns NOTIFY reconciler_due into wake-ups, reconnecting with a
+// pause on failure; polling covers the gaps.
+func (p *Pool) listen(ctx context.Context, wake chan<- struct{}) {
+	pauseFor := time.Second
+	for ctx.Err() == nil {
+		err := p.listenOnce(ctx, wake)
+		if ctx.Err() != nil {
+			return
+		}
+		p.log.Warn("notification listener failed; polling until it reconnects", "error", err)
+		t := time.NewTimer(pauseFor)
+		select {
+		case <-ctx.Done():
+			t.Stop()
+			return
+		case <-t.C:
+		}
+		pauseFor = min(2*pauseFor, 30*time.Second)
+	}
+}
+
+func (p *Pool) listenOnce(ctx context.Context, wake chan<- struct{}) error {
+	pc, err := p.db.Acquire(ctx)
+	if err != nil {
+		return err
+	}
+	// The connection leaves the pool: a LISTENing session must not be
+	// handed to another user.
+	conn := pc.Hijack()
+	defer conn.Close(context.WithoutCancel(ctx))
+	if _, err := conn.Exec(ctx, sqlListen); err != nil {
+		return err
+	}
+	for {
+		n, err := conn.WaitForNotification(ctx)
+		if err != nil {
+			return err
+		}
+		if n.Channel == notifyChannel {
+			select {
+			case wake <- struct{}{}:
+			default:
+			}
+		}
+	}
+}
+
+// refreshGauges updates the backlog and breaker gauges.
+func (p *Pool) refreshGauges(ctx context.Context) {
+	ctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+	defer cancel()
+	b, err := p.store.Backlog(ctx, p.cfg.Now(), p.cfg.StalePlannedAfter, p.cfg.OrphanTimeout)
+	if err != nil {
+		if ctx.Err() == nil {
+			p.log.Warn("backlog query failed", "error", err)
+		}
+		return
+	}
+	p.m.SetBacklog(b)
+	if ds, ok := p.cfg.Gate.(DependencyStates); ok {
+		for dep, state := range ds.BreakerStates() {
+			for _, st := range []string{"closed", "half_open", "open"} {
+				v := 0.0
+				if st == state {
+					v = 1
+				}
+				p.m.Breaker.WithLabelValues(dep, st).Set(v)
+			}
+		}
+	}
+}
+
+// SetBacklog publishes a backlog snapshot.
+func (m *Metrics) SetBacklog(b Backlog) {
+	m.Backlog.WithLabelValues(string(statemachine.Planned)).Set(float64(b.Planned))
+	m.Backlog.WithLabelValues(string(statemachine.Submitted)).Set(float64(b.Submitted))
+	m.Backlog.WithLabelValues(string(statemachine.OutcomeUnknown)).Set(float64(b.OutcomeUnknown))
+	m.Backlog.WithLabelValues(string(statemachine.Reconciling)).Set(float64(b.Reconciling))
+	m.Backlog.WithLabelValues(string(statemachine.ManualReview)).Set(float64(b.ManualReview))
+	m.StalePlanned.Set(float64(b.StalePlanned))
+	m.OldestUnknown.Set(b.OldestUnknownAge.Seconds())
+}

@@ -1,0 +1,61 @@
+package reconcile
+
+import (
+	"context"
+	"errors"
+	"time"
+
+	"github.com/receiptledger/reconciler/internal/protect"
+)
+
+// ProtectGate adapts a protect.Guard (per-dependency circuit breaker shared
+// through the database, concurrency and rate limits, retry budget, degraded
+// mode) to the pool's Gate. Its refusals become *Deferral: the row is
+// rescheduled at the Guard's "until", never settled.
+func ProtectGate(g *protect.Guard) Gate { return guardGate{g: g} }
+
+type guardGate struct{ g *protect.Guard }
+
+func (gg guardGate) Enter(ctx context.Context, dependency string, retry bool) (Pass, error) {
+	kind := protect.First
+	if retry {
+		kind = protect.Retry
+	}
+	p, err := gg.g.Acquire(ctx, dependency, kind)
+	if err != nil {
+		var d *protect.Deferral
+		if errors.As(err, &d) {
+			reason := string(d.Reason)
+			if d.Detail != "" {
+				reason += ": " + d.Detail
+			}
+			return nil, &Deferral{Reason: reason, Until: d.Until}
+		}
+		return nil, err
+	}
+	return guardPass{p: p}, nil
+}
+
+// BreakerStates reports each used dependency's breaker state.
+func (gg guardGate) BreakerStates() map[string]string {
+	out := map[string]string{}
+	for dep, st := range gg.g.States() {
+		out[dep] = st.String()
+	}
+	return out
+}
+
+type guardPass struct{ p *protect.Permit }
+
+func (gp guardPass) Exit(result CheckResult, retryAfter time.Duration) {
+	outcome := protect.Abandoned
+	switch result {
+	case Answered:
+		outcome = protect.Success
+	case FailedTransient:
+		outcome = protect.Transient
+	case FailedPermanent:
+		outcome = protect.Permanent
+	}
+	gp.p.Done(outcome, retryAfter)
+}

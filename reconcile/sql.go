@@ -1,0 +1,154 @@
+package reconcile
+
+// Every statement the reconciler runs, in one place. Each per-row statement
+// was checked with EXPLAIN against a million receipts (docs/explain.md):
+// the claim walks the partial index receipts_due in next_check_at order, the
+// settle joins its unnest'd arrays to the primary key, the orphan sweep
+// walks receipts_stale.
+//
+// Time comparisons take the reconciler's clock as a parameter instead of
+// now(), so tests drive them with an injected clock; the trigger still
+// stamps updated_at/submitted_at with the database's clock.
+
+// sqlClaim leases up to $2 due rows in one statement: outcome_unknown rows,
+// and reconciling rows whose wait or lease is over. A claimed row's
+// next_check_at is set to its lease expiry, so a row whose holder crashed
+// becomes due again on the same index exactly when its lease runs out.
+// Moving outcome_unknown → reconciling records a history event through the
+// statement trigger; re-leasing a reconciling row changes no state and
+// records none. "id = ANY(ARRAY(...))" rather than a join keeps the update
+// on the primary key: with a join the planner hashes the whole table once
+// the table is large enough to mis-estimate.
+//
+// $1 now, $2 limit, $3 actor, $4 claim detail, $5 lease token, $6 lease expiry.
+const sqlClaim = `
+WITH due AS (
+    SELECT id FROM reconciler.receipts
+    WHERE state IN ('outcome_unknown', 'reconciling')
+      AND next_check_at <= $1
+      AND (lease_expires_at IS NULL OR lease_expires_at <= $1)
+    ORDER BY next_check_at
+    LIMIT $2
+    FOR UPDATE SKIP LOCKED
+)
+UPDATE reconciler.receipts r
+SET state = 'reconciling',
+    state_actor = CASE WHEN r.state = 'outcome_unknown' THEN $3 ELSE r.state_actor END,
+    state_detail = CASE WHEN r.state = 'outcome_unknown' THEN $4::jsonb ELSE r.state_detail END,
+    lease_owner = $5,
+    lease_expires_at = $6,
+    next_check_at = $6
+WHERE r.id = ANY (ARRAY(SELECT id FROM due))
+RETURNING r.id, r.idempotency_key, r.operation, r.dependency, r.method, r.target, r.fingerprint,
+          r.intent, r.pre_image, coalesce(r.external_id, ''), r.attempt, r.created_at,
+          coalesce(r.submitted_at, r.created_at), r.check_count, r.last_check_transient`
+
+// sqlComplete applies a batch of outcomes in one statement: settlements
+// (to_state succeeded/safe_to_retry/manual_review, whose history events the
+// trigger writes from the transition tables) and reschedules (to_state
+// reconciling: no state change, lease cleared, next check set). Every row is
+// guarded by "still reconciling and still leased by the token I claimed it
+// with": a row whose lease expired and was reclaimed is left alone and not
+// returned. Check records are appended for every check made, whether or not
+// the lease still held, because the check did happen; duplicate alarms only
+// for rows this statement settled.
+//
+// "id = ANY($1)" besides the join pins the update to primary-key lookups
+// whatever the planner guesses for unnest's row count.
+//
+// Outcomes: $1 ids, $2 lease tokens, $3 to_state, $4 detail, $5 external
+// id, $6 next_check_at, $7 checks to add. $8 actor.
+// Checks: $9 receipt id, $10 check_no, $11 at, $12 adapter, $13 dependency,
+// $14 verdict, $15 authoritative, $16 matches, $17 latency_us,
+// $18 error_class, $19 error, $20 evidence. $21 instance.
+// Alarms: $22 receipt id, $23 at, $24 adapter, $25 dependency, $26 ids (jsonb array).
+// $27: per outcome, whether its check failed transiently.
+const sqlComplete = `
+WITH u AS (
+    SELECT * FROM unnest($1::bigint[], $2::text[], $3::text[], $4::jsonb[], $5::text[],
+                         $6::timestamptz[], $7::int[], $27::bool[])
+        AS u(id, lease, to_state, detail, external_id, next_check_at, checks, transient)
+), s AS (
+    UPDATE reconciler.receipts r
+    SET state = u.to_state,
+        state_actor = CASE WHEN u.to_state = 'reconciling' THEN r.state_actor ELSE $8 END,
+        state_detail = CASE WHEN u.to_state = 'reconciling' THEN r.state_detail ELSE u.detail END,
+        external_id = coalesce(u.external_id, r.external_id),
+        next_check_at = u.next_check_at,
+        lease_owner = NULL,
+        lease_expires_at = NULL,
+        check_count = r.check_count + u.checks,
+        last_check_transient = CASE WHEN u.checks > 0 THEN u.transient ELSE r.last_check_transient END
+    FROM u
+    WHERE r.id = ANY ($1::bigint[]) AND r.id = u.id
+      AND r.state = 'reconciling' AND r.lease_owner = u.lease
+    RETURNING r.id
+), c AS (
+    INSERT INTO reconciler.readback_checks
+        (receipt_id, check_no, at, adapter, dependency, verdict, authoritative, matches,
+         latency_us, error_class, error, evidence, instance)
+    SELECT x.*, $21 FROM unnest($9::bigint[], $10::int[], $11::timestamptz[], $12::text[],
+                                $13::text[], $14::text[], $15::bool[], $16::int[], $17::bigint[],
+                                $18::text[], $19::text[], $20::jsonb[]) AS x
+), d AS (
+    INSERT INTO reconciler.duplicate_alarms
+        (receipt_id, detected_at, adapter, dependency, external_ids, instance)
+    SELECT a.id, a.at, a.adapter, a.dependency,
+           ARRAY(SELECT jsonb_array_elements_text(a.ids)), $21
+    FROM unnest($22::bigint[], $23::timestamptz[], $24::text[], $25::text[], $26::jsonb[])
+        AS a(id, at, adapter, dependency, ids)
+    WHERE a.id IN (SELECT id FROM s)
+)
+SELECT id FROM s`
+
+// sqlSweepOrphans moves submitted receipts with no transition since $3 to
+// outcome_unknown, at most $4 per statement (the orphan sweep of SPEC §3).
+// $1 actor, $2 detail.
+const sqlSweepOrphans = `
+UPDATE reconciler.receipts r
+SET state = 'outcome_unknown', state_actor = $1, state_detail = $2::jsonb
+FROM (
+    SELECT id FROM reconciler.receipts
+    WHERE state = 'submitted' AND updated_at < $3
+    ORDER BY updated_at
+    LIMIT $4
+    FOR UPDATE SKIP LOCKED
+) o
+WHERE r.id = o.id AND r.state = 'submitted'
+RETURNING r.id, r.dependency`
+
+// sqlBacklogDue counts the rows awaiting settlement from the partial index
+// receipts_due, and the age of the oldest (from submission). $1 now.
+const sqlBacklogDue = `
+SELECT count(*) FILTER (WHERE state = 'outcome_unknown'),
+       count(*) FILTER (WHERE state = 'reconciling'),
+       count(*) FILTER (WHERE next_check_at <= $1),
+       coalesce(extract(epoch FROM $1 - min(coalesce(submitted_at, created_at))
+                        FILTER (WHERE state = 'outcome_unknown')), 0),
+       coalesce(extract(epoch FROM $1 - min(coalesce(submitted_at, created_at))), 0)
+FROM reconciler.receipts
+WHERE state IN ('outcome_unknown', 'reconciling')`
+
+// sqlBacklogStale counts planned and submitted rows, and those older than
+// the stale cut-offs, from receipts_stale. $1 stale-planned cut-off, $2
+// orphan cut-off.
+const sqlBacklogStale = `
+SELECT count(*) FILTER (WHERE state = 'planned'),
+       count(*) FILTER (WHERE state = 'planned' AND updated_at < $1),
+       count(*) FILTER (WHERE state = 'submitted'),
+       count(*) FILTER (WHERE state = 'submitted' AND updated_at < $2)
+FROM reconciler.receipts
+WHERE state IN ('planned', 'submitted')`
+
+// sqlBacklogHeld counts manual_review rows from receipts_held.
+const sqlBacklogHeld = `
+SELECT count(*) FROM reconciler.receipts WHERE state = 'manual_review'`
+
+// sqlDuplicates counts recorded duplicate alarms.
+const sqlDuplicates = `SELECT count(*) FROM reconciler.duplicate_alarms`
+
+// sqlListen subscribes the wake-up connection.
+const sqlListen = `LISTEN reconciler_due`
+
+// notifyChannel is the channel the 00002 trigger notifies.
+const notifyChannel = "reconciler_due"
