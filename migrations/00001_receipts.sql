@@ -16,6 +16,9 @@ CREATE TABLE reconciler.receipts (
     fingerprint      text NOT NULL CHECK (fingerprint ~ '^sha256:[0-9a-f]{64}$'),
     -- The normalized intent with secret fields redacted; never credentials.
     intent           jsonb NOT NULL DEFAULT '{}',
+    -- An update is "absent" only if the resource still holds the state it
+    -- had before the call, so that state is recorded at plan time.
+    pre_image        jsonb,
     state            text NOT NULL DEFAULT 'planned' CHECK (state IN (
                          'planned', 'submitted', 'outcome_unknown', 'reconciling',
                          'succeeded', 'safe_to_retry', 'rejected', 'manual_review')),
@@ -165,8 +168,13 @@ END
 $$;
 -- +goose StatementEnd
 
+-- PL/pgSQL caches the join's plan per session from the first call's row
+-- counts: planned for a one-row move it stays a nested loop, and a 1,000-row
+-- batch then costs a million comparisons (160 ms instead of 5 ms, measured).
+-- Without nested loops the join is a hash or merge join, linear in the batch.
 -- +goose StatementBegin
-CREATE FUNCTION reconciler.receipts_record_update() RETURNS trigger LANGUAGE plpgsql AS $$
+CREATE FUNCTION reconciler.receipts_record_update() RETURNS trigger LANGUAGE plpgsql
+SET enable_nestloop = off AS $$
 BEGIN
     INSERT INTO reconciler.receipt_events
         (receipt_id, seq, from_state, to_state, at, actor, error, evidence, detail, external_id)
@@ -209,7 +217,8 @@ CREATE TRIGGER receipts_no_delete BEFORE DELETE ON reconciler.receipts
 CREATE TRIGGER receipts_no_truncate BEFORE TRUNCATE ON reconciler.receipts
     FOR EACH STATEMENT EXECUTE FUNCTION reconciler.refuse_rewrite();
 
--- reconciler.plan records a planned receipt, or returns the existing one for
+-- reconciler.plan records a planned receipt (with the pre-image of an update,
+-- if given), or returns the existing one for
 -- a known idempotency key. It refuses a key reused for another intent
 -- (RL004) and, unless allow_duplicate, an intent whose fingerprint is still
 -- unresolved for the same dependency under another key (RL005).
@@ -224,7 +233,8 @@ CREATE FUNCTION reconciler.plan(
     intent jsonb,
     actor text,
     allow_duplicate boolean DEFAULT false,
-    retry_of bigint DEFAULT NULL
+    retry_of bigint DEFAULT NULL,
+    pre_image jsonb DEFAULT NULL
 ) RETURNS reconciler.receipts LANGUAGE plpgsql AS $$
 DECLARE
     r reconciler.receipts;
@@ -271,10 +281,11 @@ BEGIN
     END IF;
     INSERT INTO reconciler.receipts AS x
         (idempotency_key, operation, dependency, method, target, fingerprint, intent,
-         state_actor, attempt, retry_of)
+         state_actor, attempt, retry_of, pre_image)
     VALUES (plan.idempotency_key, plan.operation, plan.dependency, upper(plan.method), plan.target,
             plan.fingerprint, coalesce(plan.intent, '{}'), plan.actor,
-            CASE WHEN plan.retry_of IS NULL THEN 1 ELSE prev.attempt + 1 END, plan.retry_of)
+            CASE WHEN plan.retry_of IS NULL THEN 1 ELSE prev.attempt + 1 END, plan.retry_of,
+            plan.pre_image)
     ON CONFLICT ON CONSTRAINT receipts_idempotency_key_key DO NOTHING
     RETURNING * INTO r;
     IF NOT FOUND THEN
@@ -335,7 +346,7 @@ $$;
 
 -- +goose Down
 DROP FUNCTION reconciler.transition(bigint, text, text, jsonb, text, text);
-DROP FUNCTION reconciler.plan(text, text, text, text, text, text, jsonb, text, boolean, bigint);
+DROP FUNCTION reconciler.plan(text, text, text, text, text, text, jsonb, text, boolean, bigint, jsonb);
 DROP TABLE reconciler.receipt_events;
 DROP TABLE reconciler.receipts;
 DROP FUNCTION reconciler.refuse_rewrite();
