@@ -97,8 +97,10 @@ func runAction(c *cli.Context) error {
 		}
 		instance = host + "-" + strconv.Itoa(os.Getpid())
 	}
-	logger := slog.New(slog.NewJSONHandler(c.App.ErrWriter, &slog.HandlerOptions{Level: level})).
-		With("instance", instance)
+	// The pool tags its own lines with the instance; everything else here
+	// gets it from logger.
+	base := slog.New(slog.NewJSONHandler(c.App.ErrWriter, &slog.HandlerOptions{Level: level}))
+	logger := base.With("instance", instance)
 
 	reg := readback.NewRegistry()
 	if path := c.String("adapters"); path != "" {
@@ -129,7 +131,7 @@ func runAction(c *cli.Context) error {
 	cfg := reconcile.Config{
 		Instance:          instance,
 		Registry:          reg,
-		Logger:            logger,
+		Logger:            base,
 		Metrics:           metrics,
 		Workers:           c.Int("workers"),
 		BatchSize:         c.Int("batch-size"),
