@@ -39,8 +39,8 @@ type adCharge struct {
 // adStripe follows Stripe's documented search: GET /v1/charges/search
 // ?query=...&page=... answering {"object":"search_result","data":[...],
 // "has_more":..,"next_page":..}; errors as {"error":{...}}. Pages hold two
-// charges. The query is metadata['receipt_id']:'X' AND created>=N, or only
-// the created clause. It also serves GET /v1/items/{id} for fetches.
+// charges. The query is metadata['idempotency_key']:'X' AND created>=N, or
+// only the created clause. It also serves GET /v1/items/{id} for fetches.
 type adStripe struct {
 	srv   *httptest.Server
 	key   string
@@ -53,7 +53,7 @@ type adStripe struct {
 }
 
 var (
-	adMarkerRe  = regexp.MustCompile(`metadata\['receipt_id'\]:'([^']*)'`)
+	adMarkerRe  = regexp.MustCompile(`metadata\['idempotency_key'\]:'((?:[^'\\]|\\.)*)'`)
 	adCreatedRe = regexp.MustCompile(`created>=(\d+)`)
 )
 
@@ -113,12 +113,15 @@ func (f *adStripe) serve(w http.ResponseWriter, r *http.Request) {
 	if m := adCreatedRe.FindStringSubmatch(q); m != nil {
 		since, _ = strconv.ParseInt(m[1], 10, 64)
 	}
-	marker := adMarkerRe.FindStringSubmatch(q)
+	marker, byMarker := "", false
+	if m := adMarkerRe.FindStringSubmatch(q); m != nil {
+		marker, byMarker = strings.NewReplacer(`\'`, `'`, `\\`, `\`).Replace(m[1]), true
+	}
 	data := []map[string]any{}
 	for _, c := range f.charges {
-		if c.created.Unix() >= since && (marker == nil || marker[1] == c.marker) {
+		if c.created.Unix() >= since && (!byMarker || marker == c.marker) {
 			data = append(data, map[string]any{"id": c.id, "object": "charge", "created": c.created.Unix(),
-				"metadata": map[string]any{"receipt_id": c.marker}})
+				"metadata": map[string]any{"idempotency_key": c.marker}})
 		}
 	}
 	off, _ := strconv.Atoi(strings.TrimPrefix(r.URL.Query().Get("page"), "p"))
@@ -303,12 +306,15 @@ adapters:
 	e.clk = newClock()
 	now := e.clk.Now()
 	for i := range 4 {
-		good.add(adCharge{id: fmt.Sprintf("ch_other%d", i), created: now, marker: fmt.Sprintf("other-%d", i)})
+		good.add(adCharge{id: fmt.Sprintf("ch_other%d", i), created: now,
+			marker: ledger.Key(t.Name(), fmt.Sprintf("other-%d", i), "charges.create")})
 	}
-	good.add(adCharge{id: "ch_page3", created: now, marker: strconv.FormatInt(page3.ID, 10)},
-		adCharge{id: "ch_dup1", created: now, marker: strconv.FormatInt(dup.ID, 10)},
-		adCharge{id: "ch_dup2", created: now, marker: strconv.FormatInt(dup.ID, 10)},
-		adCharge{id: "ch_old", created: now.Add(-2 * time.Hour), marker: strconv.FormatInt(outside.ID, 10)})
+	// The agent marks each charge with its receipt's idempotency key, the
+	// one thing it knows before the request is sent.
+	good.add(adCharge{id: "ch_page3", created: now, marker: page3.IdempotencyKey},
+		adCharge{id: "ch_dup1", created: now, marker: dup.IdempotencyKey},
+		adCharge{id: "ch_dup2", created: now, marker: dup.IdempotencyKey},
+		adCharge{id: "ch_old", created: now.Add(-2 * time.Hour), marker: outside.IdempotencyKey})
 
 	e.drain()
 	checks := []struct {

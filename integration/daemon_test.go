@@ -260,7 +260,7 @@ adapters:
 	var bad, events int
 	err := db.QueryRow(context.Background(), `
 		SELECT count(*) FILTER (WHERE k <> 1), coalesce(sum(k), 0) FROM (
-			SELECT count(e.id) AS k FROM reconciler.receipts r
+			SELECT count(e.seq) AS k FROM reconciler.receipts r
 			LEFT JOIN reconciler.receipt_events e ON e.receipt_id = r.id
 			     AND e.to_state IN ('succeeded', 'safe_to_retry', 'manual_review')
 			GROUP BY r.id) x`).Scan(&bad, &events)

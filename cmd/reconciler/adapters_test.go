@@ -135,7 +135,7 @@ func TestAdaptersCheckReceipt(t *testing.T) {
 		items := []any{}
 		if req.URL.Query().Get("page") == "1" {
 			items = append(items, map[string]any{"id": "item-77", "created_at": time.Now().UTC().Format(time.RFC3339),
-				"metadata": map[string]any{"receipt_id": fmt.Sprint(r.ID)}})
+				"metadata": map[string]any{"idempotency_key": r.IdempotencyKey}})
 		}
 		_ = json.NewEncoder(w).Encode(map[string]any{"items": items})
 	}))

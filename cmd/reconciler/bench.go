@@ -152,7 +152,8 @@ func benchFill(ctx context.Context, db *pgxpool.Pool, n int) error {
 	const chunk = 50000
 	for lo := 1; lo <= n; lo += chunk {
 		hi := min(lo+chunk-1, n)
-		_, err := db.Exec(ctx, `
+		var first, last int64
+		err := db.QueryRow(ctx, `
 			WITH ins AS (
 				INSERT INTO reconciler.receipts (idempotency_key, operation, dependency, method,
 				                                 target, fingerprint, intent, state_actor)
@@ -160,16 +161,13 @@ func benchFill(ctx context.Context, db *pgxpool.Pool, n int) error {
 				       'sha256:' || encode(sha256(('bench:' || g)::bytea), 'hex'), '{}', 'agent:bench'
 				FROM generate_series($1::int, $2::int) g
 				RETURNING id
-			) SELECT count(*) FROM ins`, lo, hi)
+			) SELECT min(id), max(id) FROM ins`, lo, hi).Scan(&first, &last)
 		if err != nil {
 			return err
 		}
 		for _, to := range []string{"submitted", "outcome_unknown"} {
 			if _, err := db.Exec(ctx, `UPDATE reconciler.receipts SET state = $1, state_actor = 'agent:bench'
-				WHERE idempotency_key LIKE 'bench:%' AND id BETWEEN
-				  (SELECT min(id) FROM reconciler.receipts WHERE idempotency_key = 'bench:' || $2::int || ':create') AND
-				  (SELECT max(id) FROM reconciler.receipts WHERE idempotency_key = 'bench:' || $3::int || ':create')`,
-				to, lo, hi); err != nil {
+				WHERE id BETWEEN $2 AND $3`, to, first, last); err != nil {
 				return err
 			}
 		}

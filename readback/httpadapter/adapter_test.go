@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"net/http"
+	"net/url"
 	"strings"
 	"testing"
 	"time"
@@ -17,6 +18,13 @@ import (
 const token = "sk_test_SECRET_do_not_leak_4242"
 
 var testNow = time.Date(2026, 11, 29, 12, 0, 0, 0, time.UTC)
+
+// testKey is testReceipt's idempotency key: the marker the agent put in the
+// resource it created. otherKey is another receipt's.
+const (
+	testKey  = "task-1:step-3:charges.create"
+	otherKey = "task-1:step-4:charges.create"
+)
 
 func env(name string) (string, bool) {
 	if name == "API_TOKEN" {
@@ -72,7 +80,7 @@ func mustLoad(t testing.TB, file string) readback.Adapter {
 }
 
 func testReceipt(target string) readback.Receipt {
-	return readback.Receipt{ID: 42, IdempotencyKey: "task-1:step-3:charges.create", Operation: "x.create",
+	return readback.Receipt{ID: 42, IdempotencyKey: testKey, Operation: "x.create",
 		Dependency: "api", Method: "POST", Target: target,
 		Intent:      json.RawMessage(`{"method":"POST","payload":{"amount":500,"title":"Hello"},"target":"` + target + `"}`),
 		SubmittedAt: testNow.Add(-time.Minute), CreatedAt: testNow.Add(-time.Minute)}
@@ -109,9 +117,9 @@ func TestPresets(t *testing.T) {
 		{name: "found on page 3", listAll: true,
 			setup: func(f *fakeAPI) {
 				for i := range 4 {
-					f.add(fakeItem{ID: fmt.Sprintf("other_%d", i), Created: inWindow(i), Marker: fmt.Sprintf("filler-%d", i)})
+					f.add(fakeItem{ID: fmt.Sprintf("other_%d", i), Created: inWindow(i), Marker: fmt.Sprintf("task-1:step-%d:charges.create", 10+i)})
 				}
-				f.add(fakeItem{ID: "target_1", Created: inWindow(5), Marker: "42"})
+				f.add(fakeItem{ID: "target_1", Created: inWindow(5), Marker: testKey})
 			},
 			check: func(t *testing.T, f *fakeAPI, res readback.Result, err error) {
 				if err != nil {
@@ -127,7 +135,7 @@ func TestPresets(t *testing.T) {
 			}},
 		{name: "created outside the window is ignored",
 			setup: func(f *fakeAPI) {
-				f.add(fakeItem{ID: "old_1", Created: testNow.Add(-3 * time.Hour), Updated: testNow, Marker: "42"})
+				f.add(fakeItem{ID: "old_1", Created: testNow.Add(-3 * time.Hour), Updated: testNow, Marker: testKey})
 			},
 			check: func(t *testing.T, f *fakeAPI, res readback.Result, err error) {
 				if err != nil {
@@ -139,9 +147,9 @@ func TestPresets(t *testing.T) {
 			}},
 		{name: "two resources with the marker are a duplicate",
 			setup: func(f *fakeAPI) {
-				f.add(fakeItem{ID: "dup_1", Created: inWindow(1), Marker: "42"},
-					fakeItem{ID: "dup_2", Created: inWindow(2), Marker: "42"},
-					fakeItem{ID: "other", Created: inWindow(3), Marker: "43"})
+				f.add(fakeItem{ID: "dup_1", Created: inWindow(1), Marker: testKey},
+					fakeItem{ID: "dup_2", Created: inWindow(2), Marker: testKey},
+					fakeItem{ID: "other", Created: inWindow(3), Marker: otherKey})
 			},
 			check: func(t *testing.T, f *fakeAPI, res readback.Result, err error) {
 				if err != nil {
@@ -208,6 +216,52 @@ func assertNoSecret(t *testing.T, res readback.Result, err error) {
 	}
 }
 
+func TestStripeSearchQuotesTheKey(t *testing.T) {
+	// A key holding a quote or a backslash must reach Stripe's search
+	// escaped, or the search asks for something else: a false absence.
+	const key = `task-'9':step\2:charges.create`
+	f := newFakeAPI(t, "stripe", token)
+	f.add(fakeItem{ID: "ch_quoted", Created: inWindow(1), Marker: key},
+		fakeItem{ID: "ch_other", Created: inWindow(2), Marker: "task-"})
+	a := mustLoad(t, adapterFile("create", "stripe", f.srv.URL, ""))
+	r := testReceipt("/v1/charges")
+	r.IdempotencyKey = key
+	res, err := a.Check(context.Background(), r)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if res.Verdict != readback.VerdictPresent || len(res.ExternalIDs) != 1 || res.ExternalIDs[0] != "ch_quoted" {
+		t.Fatalf("got %+v, want present with ch_quoted", res)
+	}
+	uris, _ := f.seen()
+	u, err := url.Parse(uris[0])
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := `metadata['idempotency_key']:'task-\'9\':step\\2:charges.create' AND created>=`
+	if q := u.Query().Get("query"); !strings.HasPrefix(q, want) {
+		t.Fatalf("query %q, want it to start with %q", q, want)
+	}
+}
+
+func TestMarkerByReceiptID(t *testing.T) {
+	// An agent that plans first knows the receipt id before building the
+	// request: {receipt.id} stays available to mark by it.
+	f := newFakeAPI(t, "rest", token)
+	f.add(fakeItem{ID: "not_ours", Created: inWindow(1), Marker: otherKey, ReceiptID: "41"},
+		fakeItem{ID: "ours", Created: inWindow(2), Marker: otherKey, ReceiptID: "42"})
+	a := mustLoad(t, adapterFile("create", "rest", f.srv.URL,
+		"match:\n  marker: {pointer: /metadata/receipt_id, equals: \"{receipt.id}\"}"))
+	res, err := a.Check(context.Background(), testReceipt("/items"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	ev := res.Evidence.(*httpadapter.Evidence)
+	if res.Verdict != readback.VerdictPresent || len(res.ExternalIDs) != 1 || res.ExternalIDs[0] != "ours" || ev.MatchedBy != "marker" {
+		t.Fatalf("got %+v %+v, want the item marked with receipt id 42", res, ev)
+	}
+}
+
 func TestGitHubRateLimit403IsTransient(t *testing.T) {
 	f := newFakeAPI(t, "github", token)
 	reset := testNow.Add(90 * time.Second).Unix()
@@ -232,7 +286,7 @@ func TestSearchEndpoint404IsPermanent(t *testing.T) {
 func TestPageBoundMakesAbsenceNonAuthoritative(t *testing.T) {
 	f := newFakeAPI(t, "rest", token)
 	for i := range 6 {
-		f.add(fakeItem{ID: fmt.Sprint(i), Created: inWindow(i), Marker: "other"})
+		f.add(fakeItem{ID: fmt.Sprint(i), Created: inWindow(i), Marker: otherKey})
 	}
 	a := mustLoad(t, adapterFile("create", "rest", f.srv.URL, "search:\n  pagination: {max_pages: 2}"))
 	res, err := a.Check(context.Background(), testReceipt("/items"))

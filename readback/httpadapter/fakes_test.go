@@ -17,9 +17,14 @@ import (
 type fakeItem struct {
 	ID      string
 	Created time.Time
-	Marker  string // Stripe/REST metadata.receipt_id; GitHub body marker
-	Amount  int
-	Title   string
+	// Marker is the idempotency key the agent put in the resource: Stripe
+	// and REST metadata.idempotency_key, GitHub's hidden body marker.
+	Marker string
+	// ReceiptID, when set, is served as REST metadata.receipt_id (a marker
+	// by receipt id, for agents that plan before building the request).
+	ReceiptID string
+	Amount    int
+	Title     string
 	// Updated is GitHub's updated_at (its since filter); zero means Created.
 	Updated time.Time
 }
@@ -85,7 +90,7 @@ func writeJSON(w http.ResponseWriter, status int, v any) {
 }
 
 var (
-	stripeMarker  = regexp.MustCompile(`metadata\['receipt_id'\]:'((?:[^'\\]|\\.)*)'`)
+	stripeMarker  = regexp.MustCompile(`metadata\['idempotency_key'\]:'((?:[^'\\]|\\.)*)'`)
 	stripeCreated = regexp.MustCompile(`created>=(\d+)`)
 )
 
@@ -151,8 +156,8 @@ func (f *fakeAPI) serveStripe(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	q := r.URL.Query().Get("query")
-	// The query is metadata['receipt_id']:'...' AND created>=N, or only the
-	// created clause (the adapter then matches the marker itself).
+	// The query is metadata['idempotency_key']:'...' AND created>=N, or only
+	// the created clause (the adapter then matches the marker itself).
 	marker, byMarker := "", false
 	if m := stripeMarker.FindStringSubmatch(q); m != nil {
 		marker, byMarker = strings.NewReplacer(`\'`, `'`, `\\`, `\`).Replace(m[1]), true
@@ -170,7 +175,7 @@ func (f *fakeAPI) serveStripe(w http.ResponseWriter, r *http.Request) {
 	for _, it := range f.items {
 		if (!byMarker || it.Marker == marker) && it.Created.Unix() >= since {
 			data = append(data, map[string]any{"id": it.ID, "object": "charge", "amount": it.Amount,
-				"currency": "usd", "created": it.Created.Unix(), "metadata": map[string]any{"receipt_id": it.Marker}})
+				"currency": "usd", "created": it.Created.Unix(), "metadata": map[string]any{"idempotency_key": it.Marker}})
 		}
 	}
 	off := 0
@@ -233,8 +238,12 @@ func (f *fakeAPI) serveREST(w http.ResponseWriter, r *http.Request) {
 		if it.Created.Before(after) {
 			continue
 		}
+		metadata := map[string]any{"idempotency_key": it.Marker}
+		if it.ReceiptID != "" {
+			metadata["receipt_id"] = it.ReceiptID
+		}
 		data = append(data, map[string]any{"id": it.ID, "title": it.Title, "amount": it.Amount,
-			"created_at": it.Created.UTC().Format(time.RFC3339), "metadata": map[string]any{"receipt_id": it.Marker}})
+			"created_at": it.Created.UTC().Format(time.RFC3339), "metadata": metadata})
 	}
 	pg, _ := strconv.Atoi(r.URL.Query().Get("page"))
 	pg = max(pg, 1)

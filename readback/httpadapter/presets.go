@@ -8,8 +8,11 @@ import "sort"
 // caller can change a preset for everybody.
 func presets() map[string]string {
 	return map[string]string{
-		// Stripe: the agent puts the receipt id in metadata (Stripe keeps
-		// metadata on every object and indexes it for search). Search is
+		// Stripe: the agent puts the receipt's idempotency key in
+		// metadata['idempotency_key'] (Stripe keeps metadata on every object
+		// and indexes it for search). The key, not the receipt id: an agent
+		// going through ledger.Caller builds the request before the receipt
+		// exists, and knows only the key. Search is
 		// GET /v1/<objects>/search?query=... answering a search_result with
 		// has_more/next_page, the next page asked for with page=<next_page>.
 		// Search results may lag writes (about a minute in Stripe's
@@ -21,7 +24,7 @@ search:
   method: GET
   path: /v1/charges/search
   query:
-    query: "metadata['receipt_id']:'{receipt.id|squote}' AND created>={window.start_unix}"
+    query: "metadata['idempotency_key']:'{receipt.idempotency_key|squote}' AND created>={window.start_unix}"
     limit: "100"
   items: /data
   id: /id
@@ -29,14 +32,15 @@ search:
   created_at_format: unix
   pagination: {style: cursor, cursor: /next_page, has_more: /has_more, param: page, max_pages: 10}
 match:
-  marker: {pointer: "/metadata/receipt_id", equals: "{receipt.id}"}
+  marker: {pointer: /metadata/idempotency_key, equals: "{receipt.idempotency_key}"}
 `,
 		// GitHub issues and comments: the agent ends the body with a hidden
-		// HTML comment <!-- receipt:ID -->. The list endpoint is the path the
-		// agent posted to (GET /repos/{o}/{r}/issues, or
-		// /repos/{o}/{r}/issues/{n}/comments), filtered with since= and,
-		// for issues, creator= (set it in query); pages follow the Link
-		// header. A 403 with X-RateLimit-Remaining: 0 is a rate limit.
+		// HTML comment <!-- receipt:KEY -->, KEY the receipt's idempotency
+		// key. The list endpoint is the path the agent posted to
+		// (GET /repos/{o}/{r}/issues, or /repos/{o}/{r}/issues/{n}/comments),
+		// filtered with since= and, for issues, creator= (set it in query);
+		// pages follow the Link header. A 403 with X-RateLimit-Remaining: 0
+		// is a rate limit.
 		"github": `
 base_url: https://api.github.com
 auth: {scheme: bearer}
@@ -58,11 +62,12 @@ search:
   created_at_format: rfc3339
   pagination: {style: link, max_pages: 10}
 match:
-  marker: {pointer: /body, contains: "<!-- receipt:{receipt.id} -->"}
+  marker: {pointer: /body, contains: "<!-- receipt:{receipt.idempotency_key} -->"}
 rate_limit: {remaining_header: X-RateLimit-Remaining, reset_header: X-RateLimit-Reset, reset_format: unix}
 `,
 		// A generic JSON REST collection: GET /items?created_after=...&page=N
-		// answering {"items": [...]} until a page comes back empty.
+		// answering {"items": [...]} until a page comes back empty; the agent
+		// puts the receipt's idempotency key in metadata.idempotency_key.
 		"rest": `
 search:
   method: GET
@@ -74,7 +79,7 @@ search:
   created_at_format: rfc3339
   pagination: {style: page, param: page, start: 1, max_pages: 10}
 match:
-  marker: {pointer: /metadata/receipt_id, equals: "{receipt.id}"}
+  marker: {pointer: /metadata/idempotency_key, equals: "{receipt.idempotency_key}"}
 `,
 	}
 }
