@@ -150,13 +150,23 @@ type Move struct {
 }
 
 // Key derives a harness-owned idempotency key from stable identities,
-// "task:step:operation". Colons and percent signs inside a part are escaped
-// so distinct triples never share a key.
+// "task:step:operation". Colons, percent and hash signs inside a part are
+// escaped so distinct triples never share a key and "#" stays free for the
+// attempt suffix of retries (see Retry and LogicalKey).
 func Key(taskID, stepID, operation string) string {
 	esc := func(s string) string {
-		return strings.NewReplacer("%", "%25", ":", "%3A").Replace(s)
+		return strings.NewReplacer("%", "%25", ":", "%3A", "#", "%23").Replace(s)
 	}
 	return esc(taskID) + ":" + esc(stepID) + ":" + esc(operation)
+}
+
+// LogicalKey returns the key of the logical step a receipt's idempotency
+// key belongs to: the key without the "#<attempt>" suffix Retry adds. Every
+// attempt of one step shares it, so it is the marker an agent can put in a
+// request it builds before knowing which attempt it is.
+func LogicalKey(idempotencyKey string) string {
+	base, _, _ := strings.Cut(idempotencyKey, "#")
+	return base
 }
 
 const receiptColumns = `id, idempotency_key, operation, dependency, method, target, fingerprint,
@@ -308,15 +318,14 @@ func (c *Client) MarkUnknown(ctx context.Context, r *Receipt, d Detail) (*Receip
 }
 
 // Retry plans attempt n+1 of a safe_to_retry receipt, linked to it, under
-// the key "<original key>#<attempt>". The intent is the previous one; pass
+// the key "<logical key>#<attempt>". The intent is the previous one; pass
 // the original payload so secret fields (redacted in storage) are covered.
 func (c *Client) Retry(ctx context.Context, prev *Receipt, in Intent) (*Receipt, error) {
 	if prev.State != statemachine.SafeToRetry {
 		return nil, fmt.Errorf("ledger: retry receipt %d: %w: it is %s, not safe_to_retry",
 			prev.ID, ErrStateConflict, prev.State)
 	}
-	base, _, _ := strings.Cut(prev.IdempotencyKey, "#")
-	in.IdempotencyKey = base + "#" + strconv.Itoa(prev.Attempt+1)
+	in.IdempotencyKey = LogicalKey(prev.IdempotencyKey) + "#" + strconv.Itoa(prev.Attempt+1)
 	in.Operation, in.Dependency, in.Method, in.Target = prev.Operation, prev.Dependency, prev.Method, prev.Target
 	r, err := c.plan(ctx, in, prev.ID)
 	if err != nil {

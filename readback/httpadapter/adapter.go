@@ -67,7 +67,7 @@ func WithLookupEnv(f func(string) (string, bool)) Option {
 }
 
 func newOptions(opts []Option) *options {
-	o := &options{client: &http.Client{}, now: time.Now, lookupEnv: os.LookupEnv}
+	o := &options{client: &http.Client{CheckRedirect: sameHostRedirects}, now: time.Now, lookupEnv: os.LookupEnv}
 	for _, f := range opts {
 		f(o)
 	}
@@ -795,4 +795,18 @@ func sameJSON(a, b any) bool {
 		return bytes.Equal(ja, jb)
 	}
 	return bytes.Equal(ca, cb)
+}
+
+// sameHostRedirects refuses a redirect to another host: a custom auth header
+// (scheme: header) would otherwise follow it, and Go's client only strips
+// Authorization and Cookie. The refused redirect is returned as the response,
+// whose 3xx status the adapter reports as an error.
+func sameHostRedirects(req *http.Request, via []*http.Request) error {
+	if len(via) >= 10 {
+		return errors.New("stopped after 10 redirects")
+	}
+	if req.URL.Host != via[0].URL.Host {
+		return http.ErrUseLastResponse
+	}
+	return nil
 }

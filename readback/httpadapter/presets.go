@@ -24,7 +24,7 @@ search:
   method: GET
   path: /v1/charges/search
   query:
-    query: "metadata['idempotency_key']:'{receipt.idempotency_key|squote}' AND created>={window.start_unix}"
+    query: "metadata['idempotency_key']:'{receipt.logical_key|squote}' AND created>={window.start_unix}"
     limit: "100"
   items: /data
   id: /id
@@ -32,7 +32,7 @@ search:
   created_at_format: unix
   pagination: {style: cursor, cursor: /next_page, has_more: /has_more, param: page, max_pages: 10}
 match:
-  marker: {pointer: /metadata/idempotency_key, equals: "{receipt.idempotency_key}"}
+  marker: {pointer: /metadata/idempotency_key, equals: "{receipt.logical_key}"}
 `,
 		// GitHub issues and comments: the agent ends the body with a hidden
 		// HTML comment <!-- receipt:KEY -->, KEY the receipt's idempotency
@@ -62,7 +62,7 @@ search:
   created_at_format: rfc3339
   pagination: {style: link, max_pages: 10}
 match:
-  marker: {pointer: /body, contains: "<!-- receipt:{receipt.idempotency_key} -->"}
+  marker: {pointer: /body, contains: "<!-- receipt:{receipt.logical_key} -->"}
 rate_limit: {remaining_header: X-RateLimit-Remaining, reset_header: X-RateLimit-Reset, reset_format: unix}
 `,
 		// A generic JSON REST collection: GET /items?created_after=...&page=N
@@ -79,7 +79,7 @@ search:
   created_at_format: rfc3339
   pagination: {style: page, param: page, start: 1, max_pages: 10}
 match:
-  marker: {pointer: /metadata/idempotency_key, equals: "{receipt.idempotency_key}"}
+  marker: {pointer: /metadata/idempotency_key, equals: "{receipt.logical_key}"}
 `,
 	}
 }

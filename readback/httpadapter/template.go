@@ -10,6 +10,7 @@ import (
 	"strings"
 	"time"
 
+	"github.com/receiptledger/reconciler/ledger"
 	"github.com/receiptledger/reconciler/readback"
 )
 
@@ -29,7 +30,7 @@ type tmplPart struct {
 
 // receiptRefs are the placeholders that need no declaration.
 func receiptRefs() []string {
-	return []string{"receipt.id", "receipt.idempotency_key", "receipt.external_id", "receipt.target",
+	return []string{"receipt.id", "receipt.idempotency_key", "receipt.logical_key", "receipt.external_id", "receipt.target",
 		"receipt.operation", "receipt.dependency", "receipt.fingerprint",
 		"window.start", "window.end", "window.start_unix", "window.end_unix"}
 }
@@ -135,6 +136,8 @@ func (s *scope) value(ref string) (string, error) {
 		return strconv.FormatInt(s.r.ID, 10), nil
 	case "receipt.idempotency_key":
 		return s.r.IdempotencyKey, nil
+	case "receipt.logical_key":
+		return ledger.LogicalKey(s.r.IdempotencyKey), nil
 	case "receipt.external_id":
 		if s.r.ExternalID == "" {
 			return "", fmt.Errorf("{receipt.external_id}: %w (no external id recorded)", errMissingField)
