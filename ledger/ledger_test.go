@@ -4,6 +4,7 @@ import (
 	"context"
 	"encoding/json"
 	"errors"
+	"strings"
 	"sync"
 	"testing"
 
@@ -141,6 +142,11 @@ func TestDuplicateBlockedThenRetry(t *testing.T) {
 	if second.Attempt != 2 || second.RetryOf != first.ID || second.State != statemachine.Planned ||
 		second.Fingerprint != first.Fingerprint || second.IdempotencyKey != first.IdempotencyKey+"#2" {
 		t.Fatalf("retry = %+v, want attempt 2 linked to %d", second, first.ID)
+	}
+	// The marker the agent put in the request (the first attempt's key) is
+	// the retry's logical key: readback finds the retry's effect by it.
+	if got := ledger.LogicalKey(second.IdempotencyKey); got != first.IdempotencyKey {
+		t.Fatalf("LogicalKey(%q) = %q, want %q", second.IdempotencyKey, got, first.IdempotencyKey)
 	}
 	// Retrying the same attempt twice gives the same receipt back, not a third.
 	again2, err := c.Retry(ctx, first, in)
@@ -286,5 +292,57 @@ func TestHistory(t *testing.T) {
 	}
 	if r.ExternalID != "4407310" || r.Version != 5 {
 		t.Errorf("receipt = %+v", r)
+	}
+}
+
+func TestKeyEscapesSeparators(t *testing.T) {
+	// Triples that would collide if ':', '%' or '#' were copied as is.
+	triples := [][3]string{
+		{"a", "b", "c"},
+		{"a:b", "c", "d"},
+		{"a", "b:c", "d"},
+		{"a#2", "b", "c"},
+		{"a", "b", "c#2"},
+		{"a", "b", "c%23"},
+		{"a", "b", "c%2"},
+		{"a%3Ab", "c", "d"},
+		{"a", "b#", "#c"},
+		{"a", "b", "c#"},
+		{"", "", ""},
+		{"%", "#", ":"},
+	}
+	seen := map[string][3]string{}
+	for _, p := range triples {
+		k := ledger.Key(p[0], p[1], p[2])
+		if prev, dup := seen[k]; dup {
+			t.Errorf("Key%q and Key%q are both %q", prev, p, k)
+		}
+		seen[k] = p
+		if strings.Contains(k, "#") {
+			t.Errorf("Key%q = %q holds a '#', the attempt separator", p, k)
+		}
+		if got := ledger.LogicalKey(k); got != k {
+			t.Errorf("LogicalKey(Key%q) = %q, want the key unchanged %q", p, got, k)
+		}
+		if got := ledger.LogicalKey(k + "#2"); got != k {
+			t.Errorf("LogicalKey(%q) = %q, want %q", k+"#2", got, k)
+		}
+	}
+	if k, want := ledger.Key("t#1", "s:2", "op%"), "t%231:s%3A2:op%25"; k != want {
+		t.Errorf("Key = %q, want %q", k, want)
+	}
+}
+
+func TestLogicalKey(t *testing.T) {
+	for in, want := range map[string]string{
+		"a:b:c#3":  "a:b:c",
+		"a:b:c#2":  "a:b:c",
+		"a:b:c#12": "a:b:c",
+		"a:b:c":    "a:b:c",
+		"":         "",
+	} {
+		if got := ledger.LogicalKey(in); got != want {
+			t.Errorf("LogicalKey(%q) = %q, want %q", in, got, want)
+		}
 	}
 }

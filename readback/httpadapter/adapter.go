@@ -797,7 +797,8 @@ func sameJSON(a, b any) bool {
 	return bytes.Equal(ca, cb)
 }
 
-// sameHostRedirects refuses a redirect to another host: a custom auth header
+// sameHostRedirects refuses a redirect to another host or scheme (https to
+// http would send the credential in clear): a custom auth header
 // (scheme: header) would otherwise follow it, and Go's client only strips
 // Authorization and Cookie. The refused redirect is returned as the response,
 // whose 3xx status the adapter reports as an error.
@@ -805,7 +806,7 @@ func sameHostRedirects(req *http.Request, via []*http.Request) error {
 	if len(via) >= 10 {
 		return errors.New("stopped after 10 redirects")
 	}
-	if req.URL.Host != via[0].URL.Host {
+	if req.URL.Host != via[0].URL.Host || req.URL.Scheme != via[0].URL.Scheme {
 		return http.ErrUseLastResponse
 	}
 	return nil

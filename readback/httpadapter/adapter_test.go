@@ -11,6 +11,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/receiptledger/reconciler/ledger"
 	"github.com/receiptledger/reconciler/readback"
 	"github.com/receiptledger/reconciler/readback/httpadapter"
 )
@@ -241,6 +242,88 @@ func TestStripeSearchQuotesTheKey(t *testing.T) {
 	want := `metadata['idempotency_key']:'task-\'9\':step\\2:charges.create' AND created>=`
 	if q := u.Query().Get("query"); !strings.HasPrefix(q, want) {
 		t.Fatalf("query %q, want it to start with %q", q, want)
+	}
+}
+
+func TestPresetsFindARetryByItsLogicalKey(t *testing.T) {
+	// Client.Retry keys attempt 2 "<key>#2", but the agent built the
+	// request before knowing the attempt, with <key> as the marker: every
+	// preset must find the retry's effect by the key without the suffix.
+	const logical = "task:step:op"
+	for _, pc := range presetCases() {
+		for _, listAll := range []bool{false, true} {
+			if listAll && pc.listAll == "" {
+				continue
+			}
+			name := pc.preset
+			if listAll {
+				name += "/listing all"
+			}
+			t.Run(name, func(t *testing.T) {
+				f := newFakeAPI(t, pc.preset, token)
+				f.add(fakeItem{ID: "other", Created: inWindow(1), Marker: "task:step:op2"},
+					fakeItem{ID: "marked_with_a_full_key", Created: inWindow(2), Marker: logical + "#3"},
+					fakeItem{ID: "ours", Created: inWindow(3), Marker: logical})
+				extra := pc.extra
+				if listAll {
+					extra = pc.listAll
+				}
+				a := mustLoad(t, adapterFile("create", pc.preset, f.srv.URL, extra))
+				r := testReceipt(pc.target)
+				r.IdempotencyKey = logical + "#2"
+				res, err := a.Check(context.Background(), r)
+				if err != nil {
+					t.Fatal(err)
+				}
+				ev := res.Evidence.(*httpadapter.Evidence)
+				if res.Verdict != readback.VerdictPresent || !res.Authoritative || ev.MatchedBy != "marker" {
+					t.Fatalf("got %+v %+v, want present by marker", res, ev)
+				}
+				// Only the resource marked with the logical key: not another
+				// step's, nor one marked with an attempt's full key. (The
+				// GitHub fake numbers its ids 1000 + the item's index.)
+				want := "ours"
+				if pc.preset == "github" {
+					want = "1002"
+				}
+				if len(res.ExternalIDs) != 1 || res.ExternalIDs[0] != want {
+					t.Fatalf("matched %q, want only %q, the item marked %q", res.ExternalIDs, want, logical)
+				}
+			})
+		}
+	}
+}
+
+func TestLogicalKeyPlaceholder(t *testing.T) {
+	// ledger.Key escapes a '#' inside a part, so only the attempt suffix
+	// is stripped.
+	logical := ledger.Key("task#1", "step:3", "op%x")
+	for _, tt := range []struct{ key, want string }{
+		{logical + "#2", logical},
+		{logical + "#13", logical},
+		{logical, logical}, // the first attempt: the key itself
+	} {
+		t.Run(tt.key, func(t *testing.T) {
+			f := newFakeAPI(t, "rest", token)
+			a := mustLoad(t, adapterFile("create", "rest", f.srv.URL,
+				"search:\n  query: {marker: \"{receipt.logical_key}\", full: \"{receipt.idempotency_key}\"}"))
+			r := testReceipt("/items")
+			r.IdempotencyKey = tt.key
+			if _, err := a.Check(context.Background(), r); err != nil {
+				t.Fatal(err)
+			}
+			uris, _ := f.seen()
+			u, err := url.Parse(uris[0])
+			if err != nil {
+				t.Fatal(err)
+			}
+			if got := u.Query().Get("marker"); got != tt.want {
+				t.Errorf("{receipt.logical_key} = %q, want %q", got, tt.want)
+			}
+			if got := u.Query().Get("full"); got != tt.key {
+				t.Errorf("{receipt.idempotency_key} = %q, want %q", got, tt.key)
+			}
+		})
 	}
 }
 

@@ -8,11 +8,11 @@ import "sort"
 // caller can change a preset for everybody.
 func presets() map[string]string {
 	return map[string]string{
-		// Stripe: the agent puts the receipt's idempotency key in
-		// metadata['idempotency_key'] (Stripe keeps metadata on every object
-		// and indexes it for search). The key, not the receipt id: an agent
-		// going through ledger.Caller builds the request before the receipt
-		// exists, and knows only the key. Search is
+		// Stripe: the agent puts the step's logical key (ledger.Key, shared
+		// by every attempt) in metadata['idempotency_key'] (Stripe keeps
+		// metadata on every object and indexes it for search). The key, not
+		// the receipt id: an agent going through ledger.Caller builds the
+		// request before the receipt exists, and knows only the key. Search is
 		// GET /v1/<objects>/search?query=... answering a search_result with
 		// has_more/next_page, the next page asked for with page=<next_page>.
 		// Search results may lag writes (about a minute in Stripe's
@@ -67,7 +67,7 @@ rate_limit: {remaining_header: X-RateLimit-Remaining, reset_header: X-RateLimit-
 `,
 		// A generic JSON REST collection: GET /items?created_after=...&page=N
 		// answering {"items": [...]} until a page comes back empty; the agent
-		// puts the receipt's idempotency key in metadata.idempotency_key.
+		// puts the step's logical key in metadata.idempotency_key.
 		"rest": `
 search:
   method: GET
