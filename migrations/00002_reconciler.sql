@@ -1,7 +1,7 @@
 -- +goose Up
--- The reconciler's own records: every readback check (append-only), every
--- detected duplicate (append-only), and the NOTIFY that wakes idle
--- reconcilers.
+-- The reconciler's own records: every readback check (append-only) and every
+-- detected duplicate (append-only). (The NOTIFY that wakes idle reconcilers
+-- is sent by the receipts trigger of 00001.)
 
 -- Whether the latest check failed transiently: the next check is then a
 -- retry, which the dependency's retry budget limits (internal/protect).
@@ -58,28 +58,8 @@ CREATE TRIGGER duplicate_alarms_append_only BEFORE UPDATE OR DELETE ON reconcile
 CREATE TRIGGER duplicate_alarms_no_truncate BEFORE TRUNCATE ON reconciler.duplicate_alarms
     FOR EACH STATEMENT EXECUTE FUNCTION reconciler.refuse_rewrite();
 
--- Wake idle reconcilers once per statement that made any row
--- outcome_unknown. Rows only enter outcome_unknown by UPDATE (a receipt is
--- inserted planned), and the claim moves them out of it, so "some new row is
--- outcome_unknown" is the cheap test; a spurious wake-up costs one claim.
--- +goose StatementBegin
-CREATE FUNCTION reconciler.receipts_notify_due() RETURNS trigger LANGUAGE plpgsql AS $$
-BEGIN
-    IF EXISTS (SELECT 1 FROM new_rows WHERE state = 'outcome_unknown') THEN
-        PERFORM pg_notify('reconciler_due', '');
-    END IF;
-    RETURN NULL;
-END
-$$;
--- +goose StatementEnd
-
-CREATE TRIGGER receipts_notify_due AFTER UPDATE ON reconciler.receipts
-    REFERENCING NEW TABLE AS new_rows
-    FOR EACH STATEMENT EXECUTE FUNCTION reconciler.receipts_notify_due();
 
 -- +goose Down
-DROP TRIGGER receipts_notify_due ON reconciler.receipts;
-DROP FUNCTION reconciler.receipts_notify_due();
 DROP TABLE reconciler.duplicate_alarms;
 DROP TABLE reconciler.readback_checks;
 DROP INDEX reconciler.receipts_held;
