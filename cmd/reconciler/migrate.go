@@ -12,7 +12,9 @@ import (
 )
 
 func migrateCommand() *cli.Command {
-	withProvider := func(c *cli.Context, f func(c *cli.Context, pool *pgxpool.Pool) error) error {
+	// withProvider runs f with a goose provider over --database-url and turns
+	// its error into the command's one-line failure.
+	withProvider := func(c *cli.Context, f func(p *goose.Provider) error) error {
 		if c.String("database-url") == "" {
 			return cli.Exit("migrate: --database-url (or RECONCILER_DATABASE_URL) is empty", 2)
 		}
@@ -21,7 +23,13 @@ func migrateCommand() *cli.Command {
 			return cli.Exit(fmt.Sprintf("migrate: %v", err), 1)
 		}
 		defer pool.Close()
-		if err := f(c, pool); err != nil {
+		db := migrations.OpenDB(pool)
+		defer db.Close()
+		p, err := migrations.NewProvider(c.Context, db)
+		if err == nil {
+			err = f(p)
+		}
+		if err != nil {
 			return cli.Exit(fmt.Sprintf("migrate %s: %v", c.Command.Name, err), 1)
 		}
 		return nil
@@ -35,8 +43,8 @@ func migrateCommand() *cli.Command {
 				Name:  "up",
 				Usage: "apply every pending migration",
 				Action: func(c *cli.Context) error {
-					return withProvider(c, func(c *cli.Context, pool *pgxpool.Pool) error {
-						if err := migrations.Up(c.Context, pool); err != nil {
+					return withProvider(c, func(p *goose.Provider) error {
+						if _, err := p.Up(c.Context); err != nil {
 							return err
 						}
 						fmt.Fprintln(c.App.Writer, "migrations: up to date")
@@ -48,13 +56,7 @@ func migrateCommand() *cli.Command {
 				Name:  "down",
 				Usage: "roll back the most recent migration",
 				Action: func(c *cli.Context) error {
-					return withProvider(c, func(c *cli.Context, pool *pgxpool.Pool) error {
-						db := migrations.OpenDB(pool)
-						defer db.Close()
-						p, err := migrations.NewProvider(c.Context, db)
-						if err != nil {
-							return err
-						}
+					return withProvider(c, func(p *goose.Provider) error {
 						res, err := p.Down(c.Context)
 						if errors.Is(err, goose.ErrNoNextVersion) {
 							return errors.New("nothing to roll back: no migration is applied")
@@ -71,20 +73,14 @@ func migrateCommand() *cli.Command {
 				Name:  "status",
 				Usage: "list migrations and whether each is applied",
 				Action: func(c *cli.Context) error {
-					return withProvider(c, func(c *cli.Context, pool *pgxpool.Pool) error {
-						db := migrations.OpenDB(pool)
-						defer db.Close()
-						p, err := migrations.NewProvider(c.Context, db)
-						if err != nil {
-							return err
-						}
+					return withProvider(c, func(p *goose.Provider) error {
 						sts, err := p.Status(c.Context)
 						if err != nil {
 							return err
 						}
 						for _, s := range sts {
 							applied := "pending"
-							if s.State == "applied" {
+							if s.State == goose.StateApplied {
 								applied = "applied " + s.AppliedAt.UTC().Format("2006-01-02 15:04:05Z")
 							}
 							fmt.Fprintf(c.App.Writer, "%-40s %s\n", s.Source.Path, applied)
