@@ -20,6 +20,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/cenkalti/backoff/v4"
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/receiptledger/reconciler/readback"
@@ -584,18 +585,19 @@ func (s *session) complete() {
 func (s *session) flush(batch []Outcome) {
 	p := s.p
 	var applied []int64
-	var err error
-	for attempt := range 3 {
+	// A failed write (a failover, a dropped connection) is retried twice
+	// with a short jittered backoff; the rows stay leased meanwhile.
+	retry := backoff.NewExponentialBackOff()
+	retry.InitialInterval = 200 * time.Millisecond
+	err := backoff.RetryNotify(func() error {
 		ctx, cancel := context.WithTimeout(context.WithoutCancel(s.stop), 30*time.Second)
+		defer cancel()
+		var err error
 		applied, err = p.store.Complete(ctx, batch)
-		cancel()
-		if err == nil {
-			break
-		}
+		return err
+	}, backoff.WithMaxRetries(retry, 2), func(err error, _ time.Duration) { s.dbError("complete", err) })
+	if err != nil {
 		s.dbError("complete", err)
-		if attempt < 2 {
-			time.Sleep(time.Duration(attempt+1) * 200 * time.Millisecond)
-		}
 	}
 	ok := make(map[int64]bool, len(applied))
 	for _, id := range applied {
