@@ -17,7 +17,7 @@ CREATE INDEX receipts_held ON reconciler.receipts (updated_at) WHERE state = 'ma
 -- (refuse_rewrite), and a per-row RI trigger would cost the batch settle a
 -- third of its throughput for a guarantee the schema already gives.
 CREATE TABLE reconciler.readback_checks (
-    id            bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+    id            bigint GENERATED ALWAYS AS IDENTITY,
     receipt_id    bigint NOT NULL,
     -- The receipt's check_count after this check: 1 for the first.
     check_no      integer NOT NULL,
@@ -33,7 +33,9 @@ CREATE TABLE reconciler.readback_checks (
     error         text,
     evidence      jsonb
 );
-CREATE INDEX readback_checks_receipt ON reconciler.readback_checks (receipt_id);
+-- One index serves both identity and the lookup of a receipt's checks in
+-- order: a second one would cost every settled row another index insert.
+ALTER TABLE reconciler.readback_checks ADD PRIMARY KEY (receipt_id, id);
 
 -- A create that matched more than one external resource: the receipt is
 -- settled succeeded (the effect exists) and the extra copies are an alarm
