@@ -82,6 +82,17 @@ func (d decider) evidence(now time.Time, c Claimed, b *readback.Binding, checks 
 	return ev
 }
 
+// Decide applies the settlement rules of SPEC §5 to one check of r, made at
+// now with adapter binding b, that answered res or failed with checkErr. It
+// returns what the reconciler would record — a settlement (To succeeded,
+// safe_to_retry or manual_review, with the reason and evidence in Detail) or
+// a release until NextCheck (To reconciling) — and changes nothing.
+// `reconciler adapters check` uses it to explain a decision with the very
+// rules the pool applies.
+func Decide(now time.Time, r readback.Receipt, b *readback.Binding, res readback.Result, checkErr error) Outcome {
+	return decider{}.decide(now, Claimed{Receipt: r}, b, res, checkErr, 0)
+}
+
 // decide applies the settlement rules to one check of c made at now.
 func (d decider) decide(now time.Time, c Claimed, b *readback.Binding, res readback.Result, checkErr error, latency time.Duration) Outcome {
 	p := b.Policy

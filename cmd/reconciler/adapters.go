@@ -15,6 +15,7 @@ import (
 
 	"github.com/receiptledger/reconciler/readback"
 	"github.com/receiptledger/reconciler/readback/httpadapter"
+	"github.com/receiptledger/reconciler/reconcile"
 )
 
 func adaptersCommand() *cli.Command {
@@ -138,13 +139,9 @@ func explain(ctx context.Context, w io.Writer, reg *readback.Registry, r readbac
 	res, err := b.Adapter.Check(cctx, r)
 	cancel()
 	if err != nil {
-		class, wait := readback.Classify(err)
+		class, _ := readback.Classify(err)
 		fmt.Fprintf(w, "error: %s: %v\n", class, err)
-		if class == readback.Permanent {
-			fmt.Fprintln(w, "decision: manual_review (readback_error): repeating the check cannot help")
-		} else {
-			fmt.Fprintf(w, "decision: check again later (at least %s from now); transient errors count against the breaker\n", wait)
-		}
+		fmt.Fprintf(w, "decision: %s\n", decision(b, r, res, err, now))
 		fmt.Fprintln(w, "nothing was changed")
 		return nil
 	}
@@ -161,49 +158,36 @@ func explain(ctx context.Context, w io.Writer, reg *readback.Registry, r readbac
 			fmt.Fprintf(w, "evidence: %s\n", j)
 		}
 	}
-	fmt.Fprintf(w, "decision: %s\n", decision(b, r, res, now))
+	fmt.Fprintf(w, "decision: %s\n", decision(b, r, res, nil, now))
 	fmt.Fprintln(w, "nothing was changed")
 	return nil
 }
 
-// decision says what the reconciler would do with this answer now. It
-// mirrors reconcile's rules for a successful check (SPEC §5) but ignores
-// the check bounds, which depend on the schedule rather than the answer.
-func decision(b *readback.Binding, r readback.Receipt, res readback.Result, now time.Time) string {
-	safeAt, guarantee, conclusive := b.Policy.AbsenceWindow(r.SubmittedAt, now)
-	conclusive = conclusive && res.Authoritative
-	wait := fmt.Sprintf("check again: absence is conclusive only when authoritative and after %s (%s from now)",
-		safeAt.UTC().Format(time.RFC3339), max(safeAt.Sub(now), 0).Round(time.Second))
-	if res.Verdict == readback.VerdictDiverged {
-		return "manual_review (diverged): the resource holds neither the intended fields nor the pre-image"
+// decision says what the reconciler would do with this check now, by the
+// rules of package reconcile.
+func decision(b *readback.Binding, r readback.Receipt, res readback.Result, checkErr error, now time.Time) string {
+	o := reconcile.Decide(now, r, b, res, checkErr)
+	if !o.Settles() {
+		safeAt, _, _ := b.Policy.AbsenceWindow(r.SubmittedAt, now)
+		return fmt.Sprintf("check again at %s (in %s); an absence is conclusive only when authoritative and after %s",
+			o.NextCheck.UTC().Format(time.RFC3339), max(o.NextCheck.Sub(now), 0).Round(time.Second),
+			safeAt.UTC().Format(time.RFC3339))
 	}
-	if b.Kind == readback.Delete {
-		switch {
-		case res.Verdict == readback.VerdictAbsent && res.Authoritative:
-			return "succeeded (deleted): the resource is gone"
-		case res.Verdict == readback.VerdictPresent && conclusive:
-			return fmt.Sprintf("safe_to_retry (still_present_after_window, guarantee %s)", guarantee)
-		case res.Verdict == readback.VerdictPresent:
-			return "check again: the resource is still there, " + wait
+	d := fmt.Sprintf("%s (%s)", o.To, o.Detail.Reason)
+	if ev := o.Detail.Evidence; ev != nil {
+		if ev.Guarantee != "" {
+			d += fmt.Sprintf(", guarantee %s", ev.Guarantee)
 		}
-		return "check again: the answer is not conclusive"
+		if ev.ReuseKeyBefore != nil {
+			d += fmt.Sprintf("; the retry must reuse the original idempotency key before %s",
+				ev.ReuseKeyBefore.UTC().Format(time.RFC3339))
+		}
 	}
-	switch res.Verdict {
-	case readback.VerdictPresent:
-		if b.Kind == readback.Create && len(res.ExternalIDs) > 1 {
-			return fmt.Sprintf("succeeded (present_duplicates): %d resources match; a duplicate alarm is raised", len(res.ExternalIDs))
-		}
-		return "succeeded (present)"
-	case readback.VerdictAbsent:
-		if conclusive {
-			d := fmt.Sprintf("safe_to_retry (absent_after_window, guarantee %s)", guarantee)
-			if guarantee == readback.NativeIdempotencyKey {
-				d += fmt.Sprintf("; the retry must reuse the original idempotency key before %s",
-					r.SubmittedAt.Add(b.Policy.IdempotencyRetention).UTC().Format(time.RFC3339))
-			}
-			return d
-		}
-		return wait
+	if len(o.Duplicates) > 1 {
+		d += fmt.Sprintf("; %d resources match: a duplicate alarm is raised", len(o.Duplicates))
 	}
-	return "check again: the answer is inconclusive"
+	if e := o.Detail.Error; e != nil {
+		d += ": " + e.Message
+	}
+	return d
 }
