@@ -76,6 +76,8 @@ func newApp(stdin io.Reader, stdout, stderr io.Writer) *cli.App {
 			statsCommand(),
 			benchCommand(),
 			adaptersCommand(),
+			reviewCommand(),
+			receiptsCommand(),
 		},
 	}
 }

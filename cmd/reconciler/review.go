@@ -1,0 +1,385 @@
+package main
+
+import (
+	"bytes"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"os/user"
+	"slices"
+	"strconv"
+	"strings"
+	"text/tabwriter"
+	"time"
+
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/urfave/cli/v2"
+
+	"github.com/receiptledger/reconciler/ledger"
+	"github.com/receiptledger/reconciler/review"
+	"github.com/receiptledger/reconciler/statemachine"
+)
+
+// urlFlag is databaseURLFlag, checked by interspersed instead of by the
+// parser: urfave/cli v2 stops parsing flags at the first argument, so in
+// `review resolve 42 --database-url URL` the parser never sees the flag and
+// would refuse the command as missing a required one.
+func urlFlag() cli.Flag {
+	f := databaseURLFlag()
+	f.Required = false
+	return f
+}
+
+func reviewCommand() *cli.Command {
+	// Flags carry parse state: each subcommand gets its own.
+	operator := func() cli.Flag {
+		return &cli.StringFlag{Name: "operator", EnvVars: []string{"RECONCILER_OPERATOR"},
+			Usage: "who is deciding, recorded as human:<name> (default: the OS user)"}
+	}
+	reason := func() cli.Flag {
+		return &cli.StringFlag{Name: "reason", Usage: "why you decided this (required, recorded in history)"}
+	}
+	return &cli.Command{
+		Name:  "review",
+		Usage: "list, inspect and resolve receipts held in manual_review",
+		Subcommands: []*cli.Command{
+			{
+				Name:  "list",
+				Usage: "list receipts held in manual_review, the longest held first",
+				Flags: []cli.Flag{
+					urlFlag(),
+					&cli.StringFlag{Name: "operation", Usage: "only this operation"},
+					&cli.StringFlag{Name: "dependency", Usage: "only this dependency"},
+					&cli.DurationFlag{Name: "older-than", Usage: "only receipts held at least this long (e.g. 30m, 48h)"},
+					&cli.IntFlag{Name: "limit", Value: review.DefaultLimit, Usage: "at most this many receipts"},
+					&cli.BoolFlag{Name: "json", Usage: "print one JSON array instead of a table"},
+				},
+				Action: reviewListAction,
+			},
+			{
+				Name:      "show",
+				Usage:     "print a receipt and its whole timeline",
+				ArgsUsage: "ID",
+				Flags:     []cli.Flag{urlFlag(), &cli.BoolFlag{Name: "json", Usage: "print JSON"}},
+				Action:    func(c *cli.Context) error { return showAction(c, "review show") },
+			},
+			{
+				Name:      "resolve",
+				Usage:     "settle a held receipt as succeeded, safe_to_retry or rejected",
+				ArgsUsage: "ID --as STATE --reason REASON",
+				Flags: []cli.Flag{
+					urlFlag(),
+					&cli.StringFlag{Name: "as", Usage: "succeeded, safe_to_retry or rejected (required)"},
+					reason(), operator(),
+					&cli.StringFlag{Name: "external-id", Usage: "the external id you found, recorded with the move"},
+				},
+				Action: reviewResolveAction,
+			},
+			{
+				Name:      "requeue",
+				Usage:     "send a held receipt back to outcome_unknown for the reconciler to check again",
+				ArgsUsage: "ID --reason REASON",
+				Flags:     []cli.Flag{urlFlag(), reason(), operator()},
+				Action:    reviewRequeueAction,
+			},
+		},
+	}
+}
+
+func reviewListAction(c *cli.Context) error {
+	const cmd = "review list"
+	args, err := interspersed(c, cmd)
+	if err != nil {
+		return err
+	}
+	if len(args) > 0 {
+		return cli.Exit(fmt.Sprintf("%s: unexpected argument %q", cmd, args[0]), 2)
+	}
+	if c.Int("limit") <= 0 {
+		return cli.Exit(fmt.Sprintf("%s: --limit must be positive", cmd), 2)
+	}
+	if c.Duration("older-than") < 0 {
+		return cli.Exit(fmt.Sprintf("%s: --older-than must not be negative", cmd), 2)
+	}
+	pool, err := openPool(c, cmd)
+	if err != nil {
+		return err
+	}
+	defer pool.Close()
+	held, err := review.List(c.Context, pool, review.Filter{
+		Operation: c.String("operation"), Dependency: c.String("dependency"),
+		OlderThan: c.Duration("older-than"), Limit: c.Int("limit"),
+	})
+	if err != nil {
+		return cli.Exit(fmt.Sprintf("%s: %v", cmd, err), 1)
+	}
+	if c.Bool("json") {
+		if held == nil {
+			held = []review.Held{}
+		}
+		return writeJSON(c.App.Writer, held)
+	}
+	if len(held) == 0 {
+		fmt.Fprintln(c.App.Writer, "no receipts held in manual_review")
+		return nil
+	}
+	tw := tabwriter.NewWriter(c.App.Writer, 2, 4, 2, ' ', 0)
+	fmt.Fprintln(tw, "ID\tAGE\tOPERATION\tDEPENDENCY\tATTEMPT\tREASON")
+	for _, h := range held {
+		why := h.Reason
+		if h.ErrorCode != "" {
+			why += " (" + h.ErrorCode + ")"
+		}
+		fmt.Fprintf(tw, "%d\t%s\t%s\t%s\t%d\t%s\n", h.ID, age(h.Age), h.Operation, h.Dependency, h.Attempt,
+			strings.TrimSpace(why))
+	}
+	return tw.Flush()
+}
+
+// age prints d the way a person scans a queue: two units at most.
+func age(d time.Duration) string {
+	d = d.Round(time.Second)
+	switch {
+	case d < time.Minute:
+		return fmt.Sprintf("%ds", int(d.Seconds()))
+	case d < time.Hour:
+		return fmt.Sprintf("%dm%02ds", int(d.Minutes()), int(d.Seconds())%60)
+	case d < 48*time.Hour:
+		return fmt.Sprintf("%dh%02dm", int(d.Hours()), int(d.Minutes())%60)
+	}
+	return fmt.Sprintf("%dd%02dh", int(d.Hours())/24, int(d.Hours())%24)
+}
+
+func reviewResolveAction(c *cli.Context) error {
+	const cmd = "review resolve"
+	id, err := receiptID(c, cmd)
+	if err != nil {
+		return err
+	}
+	as := c.String("as")
+	switch to := statemachine.State(as); to {
+	case statemachine.Succeeded, statemachine.SafeToRetry, statemachine.Rejected:
+	case "":
+		return cli.Exit(cmd+": --as is required: succeeded, safe_to_retry or rejected", 2)
+	default:
+		return cli.Exit(fmt.Sprintf("%s: --as %q: must be succeeded, safe_to_retry or rejected "+
+			"(use `review requeue` to send it back to the reconciler)", cmd, as), 2)
+	}
+	return decide(c, cmd, func(pool *pgxpool.Pool, operator, reason string) (*ledger.Receipt, error) {
+		return review.Resolve(c.Context, pool, review.Resolution{ID: id, To: statemachine.State(as),
+			Operator: operator, Reason: reason, ExternalID: c.String("external-id")})
+	})
+}
+
+func reviewRequeueAction(c *cli.Context) error {
+	const cmd = "review requeue"
+	id, err := receiptID(c, cmd)
+	if err != nil {
+		return err
+	}
+	return decide(c, cmd, func(pool *pgxpool.Pool, operator, reason string) (*ledger.Receipt, error) {
+		return review.Requeue(c.Context, pool, id, operator, reason)
+	})
+}
+
+// decide checks the reason and the operator, makes the move and reports it.
+func decide(c *cli.Context, cmd string, move func(pool *pgxpool.Pool, operator, reason string) (*ledger.Receipt, error)) error {
+	reason := strings.TrimSpace(c.String("reason"))
+	if reason == "" {
+		return cli.Exit(cmd+": --reason is required: say why, it is recorded in the receipt's history", 2)
+	}
+	operator, err := operatorName(c.String("operator"))
+	if err != nil {
+		return cli.Exit(fmt.Sprintf("%s: %v", cmd, err), 2)
+	}
+	pool, err := openPool(c, cmd)
+	if err != nil {
+		return err
+	}
+	defer pool.Close()
+	r, err := move(pool, operator, reason)
+	switch {
+	case err == nil:
+		fmt.Fprintf(c.App.Writer, "receipt %d: manual_review -> %s by human:%s\n", r.ID, r.State, operator)
+		return nil
+	case errors.Is(err, review.ErrInvalidOperator), errors.Is(err, review.ErrReasonRequired),
+		errors.Is(err, review.ErrInvalidResolution):
+		return cli.Exit(fmt.Sprintf("%s: %v", cmd, err), 2)
+	}
+	return cli.Exit(fmt.Sprintf("%s: %v", cmd, err), 1)
+}
+
+// operatorName is the --operator flag (or RECONCILER_OPERATOR), else the OS
+// user.
+func operatorName(flag string) (string, error) {
+	if name := strings.TrimSpace(flag); name != "" {
+		return name, nil
+	}
+	u, err := user.Current()
+	if err != nil || strings.TrimSpace(u.Username) == "" {
+		return "", fmt.Errorf("cannot tell who you are (%v): pass --operator NAME or set RECONCILER_OPERATOR", err)
+	}
+	return strings.TrimSpace(u.Username), nil
+}
+
+// receiptID parses the flags mixed with the arguments and the single ID
+// argument.
+func receiptID(c *cli.Context, cmd string) (int64, error) {
+	args, err := interspersed(c, cmd)
+	if err != nil {
+		return 0, err
+	}
+	if len(args) != 1 {
+		return 0, cli.Exit(fmt.Sprintf("%s: want exactly one receipt ID, got %d argument(s)", cmd, len(args)), 2)
+	}
+	id, err := strconv.ParseInt(args[0], 10, 64)
+	if err != nil || id <= 0 {
+		return 0, cli.Exit(fmt.Sprintf("%s: %q is not a receipt ID", cmd, args[0]), 2)
+	}
+	return id, nil
+}
+
+// interspersed sets the command's flags that follow its first argument
+// (urfave/cli v2 leaves them in the arguments), returns the remaining
+// arguments, and checks that a database URL was given. "--" ends the flags.
+func interspersed(c *cli.Context, cmd string) ([]string, error) {
+	var args []string
+	rest := c.Args().Slice()
+	for len(rest) > 0 {
+		tok := rest[0]
+		rest = rest[1:]
+		if tok == "--" {
+			args = append(args, rest...)
+			break
+		}
+		if len(tok) < 2 || tok[0] != '-' {
+			args = append(args, tok)
+			continue
+		}
+		name, value, hasValue := strings.Cut(strings.TrimLeft(tok, "-"), "=")
+		var f cli.Flag
+		for _, cand := range c.Command.Flags {
+			if slices.Contains(cand.Names(), name) {
+				f = cand
+			}
+		}
+		switch {
+		case f == nil:
+			return nil, cli.Exit(fmt.Sprintf("%s: flag provided but not defined: %s", cmd, tok), 2)
+		case !hasValue:
+			if _, isBool := f.(*cli.BoolFlag); isBool {
+				value = "true"
+			} else if len(rest) == 0 {
+				return nil, cli.Exit(fmt.Sprintf("%s: flag needs an argument: %s", cmd, tok), 2)
+			} else {
+				value, rest = rest[0], rest[1:]
+			}
+		}
+		if err := c.Set(name, value); err != nil {
+			return nil, cli.Exit(fmt.Sprintf("%s: invalid value %q for flag %s: %v", cmd, value, tok, err), 2)
+		}
+	}
+	if c.String("database-url") == "" {
+		return nil, cli.Exit(fmt.Sprintf("%s: --database-url (or RECONCILER_DATABASE_URL) is required", cmd), 2)
+	}
+	return args, nil
+}
+
+func openPool(c *cli.Context, cmd string) (*pgxpool.Pool, error) {
+	pool, err := pgxpool.New(c.Context, c.String("database-url"))
+	if err != nil {
+		return nil, cli.Exit(fmt.Sprintf("%s: %v", cmd, err), 1)
+	}
+	return pool, nil
+}
+
+// showAction prints one receipt's timeline; `review show` and `receipts
+// show` share it.
+func showAction(c *cli.Context, cmd string) error {
+	id, err := receiptID(c, cmd)
+	if err != nil {
+		return err
+	}
+	pool, err := openPool(c, cmd)
+	if err != nil {
+		return err
+	}
+	defer pool.Close()
+	t, err := review.Show(c.Context, pool, id)
+	if err != nil {
+		return cli.Exit(fmt.Sprintf("%s: %v", cmd, err), 1)
+	}
+	if c.Bool("json") {
+		return writeJSON(c.App.Writer, t)
+	}
+	printTimeline(c.App.Writer, t)
+	return nil
+}
+
+func printTimeline(w io.Writer, t *review.Timeline) {
+	r := t.Receipt
+	ts := func(at time.Time) string { return at.UTC().Format("2006-01-02T15:04:05.000Z07:00") }
+	fmt.Fprintf(w, "receipt %d  %s\n", r.ID, r.State)
+	fmt.Fprintf(w, "  operation    %s on %s: %s %s\n", r.Operation, r.Dependency, r.Method, r.Target)
+	fmt.Fprintf(w, "  key          %s (attempt %d", r.IdempotencyKey, r.Attempt)
+	if r.RetryOf != 0 {
+		fmt.Fprintf(w, ", retry of receipt %d", r.RetryOf)
+	}
+	fmt.Fprintln(w, ")")
+	fmt.Fprintf(w, "  fingerprint  %s\n", r.Fingerprint)
+	fmt.Fprintf(w, "  intent       %s\n", compact(r.Intent))
+	if len(r.PreImage) > 0 {
+		fmt.Fprintf(w, "  pre-image    %s\n", compact(r.PreImage))
+	}
+	if r.ExternalID != "" {
+		fmt.Fprintf(w, "  external id  %s\n", r.ExternalID)
+	}
+	fmt.Fprintf(w, "  created      %s\n", ts(r.CreatedAt))
+	if r.SubmittedAt != nil {
+		fmt.Fprintf(w, "  submitted    %s\n", ts(*r.SubmittedAt))
+	}
+	fmt.Fprintf(w, "  updated      %s (version %d, %d readback check(s))\n", ts(r.UpdatedAt), r.Version, r.Checks)
+	if r.NextCheckAt != nil {
+		fmt.Fprintf(w, "  next check   %s\n", ts(*r.NextCheckAt))
+	}
+	fmt.Fprintln(w, "timeline")
+	for _, e := range t.Events {
+		from := string(e.From)
+		if from == "" {
+			from = "(new)"
+		}
+		fmt.Fprintf(w, "  #%d  %s  %s -> %s  by %s\n", e.Seq, ts(e.At), from, e.To, e.Actor)
+		line := func(label string, v string) {
+			if v != "" {
+				fmt.Fprintf(w, "        %-11s %s\n", label+":", v)
+			}
+		}
+		line("reason", e.Reason)
+		line("error", compact(e.Error))
+		line("evidence", compact(e.Evidence))
+		line("extra", compact(e.Extra))
+		line("external id", e.ExternalID)
+	}
+}
+
+// compact prints a JSON value on one line, "" for none.
+func compact(raw json.RawMessage) string {
+	if len(raw) == 0 || string(raw) == "null" {
+		return ""
+	}
+	var b bytes.Buffer
+	if err := json.Compact(&b, raw); err != nil {
+		return string(raw)
+	}
+	return b.String()
+}
+
+func writeJSON(w io.Writer, v any) error {
+	enc := json.NewEncoder(w)
+	enc.SetIndent("", "  ")
+	if err := enc.Encode(v); err != nil {
+		return cli.Exit(fmt.Sprintf("json: %v", err), 1)
+	}
+	return nil
+}

@@ -1,0 +1,337 @@
+// Package review is the human side of the receipt ledger (SPEC §6): it lists
+// the receipts held in manual_review, shows any receipt's whole timeline,
+// and records a person's decision on a held receipt — resolve it to
+// succeeded, safe_to_retry or rejected, or requeue it to outcome_unknown so
+// the reconciler checks it again.
+//
+// A decision is a guarded move made as "human:<operator>" with a mandatory
+// reason (ledger.Client.Transition from manual_review): of two people
+// deciding on one receipt at once exactly one wins, and the other gets a
+// *NotHeldError that also matches ledger's *ConflictError, with nothing
+// overwritten.
+package review
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"strings"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/receiptledger/reconciler/ledger"
+	"github.com/receiptledger/reconciler/statemachine"
+)
+
+// DefaultLimit is the number of receipts List returns when Filter.Limit is
+// not set.
+const DefaultLimit = 50
+
+// Via is recorded in the detail of every move this package makes, as
+// extra.resolved_via, so history tells a review decision from a hand-written
+// SQL statement.
+const Via = "reconciler review"
+
+// Errors returned by this package. Test with errors.Is; the typed forms carry
+// details for errors.As.
+var (
+	// ErrNotFound means no receipt has the given id. It is matched by
+	// *NotFoundError, which also matches ledger.ErrNotFound.
+	ErrNotFound = errors.New("receipt not found")
+	// ErrNotHeld means the receipt is not in manual_review. It is matched by
+	// *NotHeldError.
+	ErrNotHeld = errors.New("receipt not in manual_review")
+	// ErrReasonRequired means a decision was made without a reason.
+	ErrReasonRequired = errors.New("a reason is required")
+	// ErrInvalidOperator means the operator name cannot form a
+	// "human:<name>" actor (empty, or with leading or trailing space).
+	ErrInvalidOperator = errors.New("invalid operator")
+	// ErrInvalidResolution means Resolution.To is not succeeded,
+	// safe_to_retry or rejected.
+	ErrInvalidResolution = errors.New("a resolution must be succeeded, safe_to_retry or rejected")
+)
+
+// NotFoundError names a receipt id that does not exist. It matches
+// ErrNotFound and ledger.ErrNotFound.
+type NotFoundError struct {
+	ID int64
+}
+
+func (e *NotFoundError) Error() string { return fmt.Sprintf("receipt %d not found", e.ID) }
+
+// Is makes errors.Is true for ErrNotFound and ledger.ErrNotFound.
+func (e *NotFoundError) Is(target error) bool {
+	return target == ErrNotFound || target == ledger.ErrNotFound
+}
+
+// NotHeldError says that a decision found its receipt in another state than
+// manual_review: it was never held, or someone else decided first. Nothing
+// was changed. It matches ErrNotHeld and, through Unwrap, ledger's
+// *ConflictError and ledger.ErrStateConflict.
+type NotHeldError struct {
+	ID int64
+	// State is the state the receipt was found in.
+	State statemachine.State
+	// By and At name the latest move's actor and time, when known.
+	By statemachine.Actor
+	At time.Time
+	// Conflict is the guarded move's refusal.
+	Conflict *ledger.ConflictError
+}
+
+func (e *NotHeldError) Error() string {
+	msg := fmt.Sprintf("receipt %d is %s, not manual_review", e.ID, e.State)
+	if e.By != "" {
+		msg += fmt.Sprintf(" (moved there by %s at %s); nothing was changed", e.By, e.At.UTC().Format(time.RFC3339))
+	}
+	return msg
+}
+
+// Is makes errors.Is(err, ErrNotHeld) true.
+func (e *NotHeldError) Is(target error) bool { return target == ErrNotHeld }
+
+// Unwrap returns the ledger's *ConflictError, if any.
+func (e *NotHeldError) Unwrap() error {
+	if e.Conflict == nil {
+		return nil
+	}
+	return e.Conflict
+}
+
+// Filter selects held receipts for List. Zero fields select everything.
+type Filter struct {
+	// Operation and Dependency match exactly when set.
+	Operation  string
+	Dependency string
+	// OlderThan keeps receipts held for at least this long.
+	OlderThan time.Duration
+	// Limit caps the number returned; DefaultLimit when zero or negative.
+	Limit int
+}
+
+// Held is one receipt waiting in manual_review.
+type Held struct {
+	ID             int64  `json:"id"`
+	IdempotencyKey string `json:"idempotency_key"`
+	Operation      string `json:"operation"`
+	Dependency     string `json:"dependency"`
+	Attempt        int    `json:"attempt"`
+	// HeldSince is when the receipt entered manual_review.
+	HeldSince time.Time `json:"held_since"`
+	// Age is how long it has been held, by the database's clock; AgeSeconds
+	// is the same in seconds, for JSON.
+	Age        time.Duration `json:"-"`
+	AgeSeconds float64       `json:"age_s"`
+	// HeldBy is the actor that moved it to manual_review.
+	HeldBy statemachine.Actor `json:"held_by"`
+	// Reason is the reason recorded with that move (e.g. blind,
+	// bound_reached), and ErrorCode the code of its error, if any.
+	Reason    string `json:"reason"`
+	ErrorCode string `json:"error_code,omitempty"`
+}
+
+// List returns the receipts held in manual_review that match f, the longest
+// held first.
+func List(ctx context.Context, pool *pgxpool.Pool, f Filter) ([]Held, error) {
+	if f.Limit <= 0 {
+		f.Limit = DefaultLimit
+	}
+	var minAge *float64
+	if f.OlderThan > 0 {
+		s := f.OlderThan.Seconds()
+		minAge = &s
+	}
+	rows, err := pool.Query(ctx, sqlList, optional(f.Operation), optional(f.Dependency), minAge, f.Limit)
+	if err != nil {
+		return nil, fmt.Errorf("review: list: %w", err)
+	}
+	held, err := pgx.CollectRows(rows, func(row pgx.CollectableRow) (Held, error) {
+		var h Held
+		var actor string
+		err := row.Scan(&h.ID, &h.IdempotencyKey, &h.Operation, &h.Dependency, &h.Attempt, &h.HeldSince,
+			&h.AgeSeconds, &actor, &h.Reason, &h.ErrorCode)
+		h.HeldBy = statemachine.Actor(actor)
+		h.Age = time.Duration(h.AgeSeconds * float64(time.Second))
+		return h, err
+	})
+	if err != nil {
+		return nil, fmt.Errorf("review: list: %w", err)
+	}
+	return held, nil
+}
+
+// optional returns s as a nullable text parameter: NULL when empty.
+func optional(s string) *string {
+	if s == "" {
+		return nil
+	}
+	return &s
+}
+
+// Receipt is a receipt's current-state projection as Show reports it.
+type Receipt struct {
+	ID             int64           `json:"id"`
+	IdempotencyKey string          `json:"idempotency_key"`
+	Operation      string          `json:"operation"`
+	Dependency     string          `json:"dependency"`
+	Method         string          `json:"method"`
+	Target         string          `json:"target"`
+	Fingerprint    string          `json:"fingerprint"`
+	Intent         json.RawMessage `json:"intent"`
+	// PreImage is the target's state recorded at plan time (updates only).
+	PreImage    json.RawMessage    `json:"pre_image,omitempty"`
+	State       statemachine.State `json:"state"`
+	ExternalID  string             `json:"external_id,omitempty"`
+	Attempt     int                `json:"attempt"`
+	RetryOf     int64              `json:"retry_of,omitempty"`
+	CreatedAt   time.Time          `json:"created_at"`
+	SubmittedAt *time.Time         `json:"submitted_at,omitempty"`
+	UpdatedAt   time.Time          `json:"updated_at"`
+	Version     int                `json:"version"`
+	// Checks is the number of readback checks made so far.
+	Checks int `json:"checks"`
+	// NextCheckAt is when the reconciler may next claim it, if scheduled.
+	NextCheckAt *time.Time `json:"next_check_at,omitempty"`
+}
+
+// Event is one move in a receipt's timeline.
+type Event struct {
+	Seq   int                `json:"seq"`
+	From  statemachine.State `json:"from,omitempty"` // "" for the first event
+	To    statemachine.State `json:"to"`
+	At    time.Time          `json:"at"`
+	Actor statemachine.Actor `json:"actor"`
+	// Error and Evidence are the move's error and evidence, if any.
+	Error    json.RawMessage `json:"error,omitempty"`
+	Evidence json.RawMessage `json:"evidence,omitempty"`
+	// Reason and Extra are taken from Detail, which is kept whole.
+	Reason     string          `json:"reason,omitempty"`
+	Extra      json.RawMessage `json:"extra,omitempty"`
+	Detail     json.RawMessage `json:"detail"`
+	ExternalID string          `json:"external_id,omitempty"`
+}
+
+// Timeline is a receipt with its whole history.
+type Timeline struct {
+	Receipt Receipt `json:"receipt"`
+	Events  []Event `json:"events"`
+}
+
+// Show returns the receipt with id and its whole timeline, read in one
+// snapshot so the two agree. A missing id is a *NotFoundError.
+func Show(ctx context.Context, pool *pgxpool.Pool, id int64) (*Timeline, error) {
+	tx, err := pool.BeginTx(ctx, pgx.TxOptions{IsoLevel: pgx.RepeatableRead, AccessMode: pgx.ReadOnly})
+	if err != nil {
+		return nil, fmt.Errorf("review: show receipt %d: %w", id, err)
+	}
+	defer func() { _ = tx.Rollback(context.Background()) }()
+	var t Timeline
+	r := &t.Receipt
+	var state string
+	err = tx.QueryRow(ctx, sqlReceipt, id).Scan(&r.ID, &r.IdempotencyKey, &r.Operation, &r.Dependency,
+		&r.Method, &r.Target, &r.Fingerprint, &r.Intent, &r.PreImage, &state, &r.ExternalID, &r.Attempt,
+		&r.RetryOf, &r.CreatedAt, &r.SubmittedAt, &r.UpdatedAt, &r.Version, &r.Checks, &r.NextCheckAt)
+	if errors.Is(err, pgx.ErrNoRows) {
+		return nil, &NotFoundError{ID: id}
+	}
+	if err != nil {
+		return nil, fmt.Errorf("review: show receipt %d: %w", id, err)
+	}
+	r.State = statemachine.State(state)
+	rows, err := tx.Query(ctx, sqlEvents, id)
+	if err != nil {
+		return nil, fmt.Errorf("review: timeline of receipt %d: %w", id, err)
+	}
+	t.Events, err = pgx.CollectRows(rows, func(row pgx.CollectableRow) (Event, error) {
+		var e Event
+		var from, to, actor string
+		err := row.Scan(&e.Seq, &from, &to, &e.At, &actor, &e.Error, &e.Evidence, &e.Detail,
+			&e.Reason, &e.Extra, &e.ExternalID)
+		e.From, e.To, e.Actor = statemachine.State(from), statemachine.State(to), statemachine.Actor(actor)
+		return e, err
+	})
+	if err != nil {
+		return nil, fmt.Errorf("review: timeline of receipt %d: %w", id, err)
+	}
+	return &t, nil
+}
+
+// Resolution is a person's verdict on a held receipt.
+type Resolution struct {
+	ID int64
+	// To is succeeded, safe_to_retry or rejected.
+	To statemachine.State
+	// Operator is the person deciding; the move is made as "human:<Operator>".
+	Operator string
+	// Reason says why; it is mandatory and recorded in the event's detail.
+	Reason string
+	// ExternalID, when set, is recorded with the move (e.g. the resource a
+	// person found for a succeeded create).
+	ExternalID string
+}
+
+// Resolve moves a held receipt to r.To as "human:<r.Operator>", recording
+// the reason. It returns the receipt after the move, or: ErrInvalidResolution,
+// ErrReasonRequired or ErrInvalidOperator for bad input (nothing is read);
+// a *NotFoundError for an unknown id; a *NotHeldError (matching ledger's
+// *ConflictError) when the receipt is not in manual_review, including when
+// another person resolved it first.
+func Resolve(ctx context.Context, pool *pgxpool.Pool, r Resolution) (*ledger.Receipt, error) {
+	switch r.To {
+	case statemachine.Succeeded, statemachine.SafeToRetry, statemachine.Rejected:
+	default:
+		return nil, fmt.Errorf("review: receipt %d: %w (got %q)", r.ID, ErrInvalidResolution, r.To)
+	}
+	return leave(ctx, pool, r.ID, r.To, r.Operator, r.Reason, r.ExternalID, "resolve")
+}
+
+// Requeue moves a held receipt back to outcome_unknown as
+// "human:<operator>", recording the reason; the database schedules it due
+// at once, so the reconciler claims and checks it again. Errors are those of
+// Resolve.
+func Requeue(ctx context.Context, pool *pgxpool.Pool, id int64, operator, reason string) (*ledger.Receipt, error) {
+	return leave(ctx, pool, id, statemachine.OutcomeUnknown, operator, reason, "", "requeue")
+}
+
+// leave makes the guarded move manual_review → to for a human.
+func leave(ctx context.Context, pool *pgxpool.Pool, id int64, to statemachine.State,
+	operator, reason, externalID, action string) (*ledger.Receipt, error) {
+	reason = strings.TrimSpace(reason)
+	if reason == "" {
+		return nil, fmt.Errorf("review: receipt %d: %w", id, ErrReasonRequired)
+	}
+	actor, err := statemachine.ParseActor(string(statemachine.Human) + ":" + operator)
+	if err != nil {
+		return nil, fmt.Errorf("review: receipt %d: %w %q: %w", id, ErrInvalidOperator, operator, err)
+	}
+	client, err := ledger.New(pool, string(actor))
+	if err != nil {
+		return nil, fmt.Errorf("review: receipt %d: %w", id, err)
+	}
+	rec, err := client.Transition(ctx, ledger.Move{
+		ID: id, From: statemachine.ManualReview, To: to,
+		Detail: ledger.Detail{Reason: reason, Extra: map[string]any{
+			"resolved_via": Via, "action": action, "operator": operator}},
+		ExternalID: strings.TrimSpace(externalID),
+	})
+	if err == nil {
+		return rec, nil
+	}
+	var conflict *ledger.ConflictError
+	switch {
+	case errors.As(err, &conflict):
+		nh := &NotHeldError{ID: id, State: conflict.Actual, Conflict: conflict}
+		var by string
+		// Best effort: name who moved it. The refusal stands without it.
+		if pool.QueryRow(ctx, sqlLatestEvent, id).Scan(&by, &nh.At) == nil {
+			nh.By = statemachine.Actor(by)
+		}
+		return nil, nh
+	case errors.Is(err, ledger.ErrNotFound):
+		return nil, &NotFoundError{ID: id}
+	}
+	return nil, fmt.Errorf("review: %w", err)
+}
