@@ -266,7 +266,9 @@ func (c *Caller) Do(ctx context.Context, in Intent, req *http.Request) (*Result,
 	}
 	r, err := c.Ledger.Plan(ctx, in)
 	var prev *Receipt
-	for err == nil && r.State == statemachine.SafeToRetry {
+	// The same step run again after a proven absence or a retryable
+	// rejection is the next attempt of it.
+	for err == nil && (r.State == statemachine.SafeToRetry || r.Retryable) {
 		prev = r
 		r, err = c.Ledger.Retry(ctx, prev, in)
 	}

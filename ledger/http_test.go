@@ -697,3 +697,53 @@ func TestHTTPExternalIDAt(t *testing.T) {
 		}
 	}
 }
+
+// Running a step again after it was rejected as retryable (nothing was sent)
+// sends attempt 2, linked to attempt 1; after a deterministic rejection it
+// sends nothing.
+func TestHTTPDoRetriesRetryableRejection(t *testing.T) {
+	pool := pgtest.NewPool(t)
+	env := newHTTPEnvOn(t, pool)
+	ctx := context.Background()
+	caller := &ledger.Caller{Ledger: env.ledger, HTTP: testHTTPClient(t, 0)}
+
+	// The API is down: nothing is sent.
+	in, req := articleCall(t, deadURL(t)+"/api/articles", "retry-after-not-sent")
+	first, err := caller.Do(ctx, in, req)
+	if !errors.Is(err, ledger.ErrNotSent) || !first.Receipt.Retryable {
+		t.Fatalf("first Do: %v (retryable %v), want ErrNotSent on a retryable receipt", err, first.Receipt.Retryable)
+	}
+
+	// It is back: the same step is attempt 2.
+	srv := env.serve(t, status(201, `{"id":"art_2"}`))
+	in, req = articleCall(t, srv.URL+"/api/articles", "retry-after-not-sent")
+	second, err := caller.Do(ctx, in, req)
+	if err != nil {
+		t.Fatalf("second Do: %v", err)
+	}
+	r := second.Receipt
+	if second.Replayed || r.Attempt != 2 || r.RetryOf != first.Receipt.ID || r.State != statemachine.Succeeded ||
+		r.ExternalID != "art_2" || ledger.LogicalKey(r.IdempotencyKey) != in.IdempotencyKey {
+		t.Fatalf("second Do = %+v, want attempt 2 of receipt %d, succeeded", r, first.Receipt.ID)
+	}
+	if n := env.requests.Load(); n != 1 {
+		t.Fatalf("server saw %d requests, want 1", n)
+	}
+
+	// A deterministic 4xx is not retryable: the step replays its rejection.
+	env = newHTTPEnvOn(t, pool) // one server per env
+	caller = &ledger.Caller{Ledger: env.ledger, HTTP: testHTTPClient(t, 0)}
+	srv400 := env.serve(t, status(400, `{"error":"bad"}`))
+	in, req = articleCall(t, srv400.URL+"/api/articles", "no-retry-after-400")
+	if _, err := caller.Do(ctx, in, req); !errors.Is(err, ledger.ErrRejected) {
+		t.Fatalf("first Do: %v, want ErrRejected", err)
+	}
+	in, req = articleCall(t, srv400.URL+"/api/articles", "no-retry-after-400")
+	third, err := caller.Do(ctx, in, req)
+	if !errors.Is(err, ledger.ErrRejected) || !third.Replayed || third.Receipt.Attempt != 1 {
+		t.Fatalf("re-run after a 400 = %+v, %v; want the recorded rejection replayed", third, err)
+	}
+	if _, err := env.ledger.Retry(ctx, third.Receipt, in); !errors.Is(err, ledger.ErrStateConflict) {
+		t.Fatalf("Retry of a non-retryable rejection: %v, want ErrStateConflict", err)
+	}
+}

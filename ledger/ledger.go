@@ -99,6 +99,10 @@ type Receipt struct {
 	SubmittedAt time.Time // zero until submitted
 	UpdatedAt   time.Time
 	Version     int
+	// Retryable is set on a rejected receipt whose call may be sent again:
+	// nothing was sent, or the API asked to come back later (429). Retry
+	// accepts it like a safe_to_retry receipt.
+	Retryable bool
 }
 
 // Event is one transition in a receipt's history.
@@ -171,14 +175,15 @@ func LogicalKey(idempotencyKey string) string {
 
 const receiptColumns = `id, idempotency_key, operation, dependency, method, target, fingerprint,
 	intent, state, coalesce(external_id, ''), attempt, coalesce(retry_of, 0),
-	created_at, coalesce(submitted_at, 'epoch'::timestamptz), updated_at, version`
+	created_at, coalesce(submitted_at, 'epoch'::timestamptz), updated_at, version,
+	state = 'rejected' AND (state_detail #>> '{error,retryable}') IS NOT DISTINCT FROM 'true'`
 
 func scanReceipt(row pgx.Row) (*Receipt, error) {
 	var r Receipt
 	var state string
 	err := row.Scan(&r.ID, &r.IdempotencyKey, &r.Operation, &r.Dependency, &r.Method, &r.Target,
 		&r.Fingerprint, &r.Intent, &state, &r.ExternalID, &r.Attempt, &r.RetryOf,
-		&r.CreatedAt, &r.SubmittedAt, &r.UpdatedAt, &r.Version)
+		&r.CreatedAt, &r.SubmittedAt, &r.UpdatedAt, &r.Version, &r.Retryable)
 	if err != nil {
 		return nil, err
 	}
@@ -324,12 +329,13 @@ func (c *Client) MarkUnknown(ctx context.Context, r *Receipt, d Detail) (*Receip
 	return c.Transition(ctx, Move{ID: r.ID, From: r.State, To: statemachine.OutcomeUnknown, Detail: d})
 }
 
-// Retry plans attempt n+1 of a safe_to_retry receipt, linked to it, under
-// the key "<logical key>#<attempt>". The intent is the previous one; pass
+// Retry plans attempt n+1 of a safe_to_retry receipt, or of a retryable
+// rejection (see Receipt.Retryable), linked to it, under the key
+// "<logical key>#<attempt>". The intent is the previous one; pass
 // the original payload so secret fields (redacted in storage) are covered.
 func (c *Client) Retry(ctx context.Context, prev *Receipt, in Intent) (*Receipt, error) {
-	if prev.State != statemachine.SafeToRetry {
-		return nil, fmt.Errorf("ledger: retry receipt %d: %w: it is %s, not safe_to_retry",
+	if prev.State != statemachine.SafeToRetry && !prev.Retryable {
+		return nil, fmt.Errorf("ledger: retry receipt %d: %w: it is %s, neither safe_to_retry nor a retryable rejection",
 			prev.ID, ErrStateConflict, prev.State)
 	}
 	in.IdempotencyKey = LogicalKey(prev.IdempotencyKey) + "#" + strconv.Itoa(prev.Attempt+1)

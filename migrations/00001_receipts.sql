@@ -312,9 +312,14 @@ BEGIN
         IF NOT FOUND THEN
             RAISE EXCEPTION 'receipt % does not exist', plan.retry_of USING ERRCODE = 'RL003';
         END IF;
-        IF prev.state <> 'safe_to_retry' THEN
-            RAISE EXCEPTION 'receipt % is %, not safe_to_retry: it cannot be retried', prev.id, prev.state
-                USING ERRCODE = 'RL002';
+        -- Retry what was proven absent, or what was refused before any
+        -- effect could happen and may be sent again (nothing was sent, or
+        -- the API said come back later): the error the rejection recorded
+        -- says which.
+        IF NOT (prev.state = 'safe_to_retry'
+                OR prev.state = 'rejected' AND (prev.state_detail #>> '{error,retryable}') = 'true') THEN
+            RAISE EXCEPTION 'receipt % is %, neither safe_to_retry nor a retryable rejection: it cannot be retried',
+                prev.id, prev.state USING ERRCODE = 'RL002';
         END IF;
     END IF;
     IF NOT plan.allow_duplicate THEN
