@@ -41,6 +41,7 @@ type DuplicateError struct {
 	Existing *Receipt
 }
 
+// Error describes the DuplicateError in one line.
 func (e *DuplicateError) Error() string {
 	return fmt.Sprintf("%v: receipt %d (%s) holds the same intent %s", ErrDuplicateIntent,
 		e.Existing.ID, e.Existing.State, e.Existing.Fingerprint)
@@ -57,6 +58,7 @@ type ConflictError struct {
 	Actual   statemachine.State
 }
 
+// Error describes the ConflictError in one line.
 func (e *ConflictError) Error() string {
 	return fmt.Sprintf("receipt %d is %s, expected %s: %v", e.ID, e.Actual, e.Expected, ErrStateConflict)
 }

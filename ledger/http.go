@@ -200,6 +200,7 @@ func (e *OutcomeError) sentinel() error {
 	return ErrOutcomeUnknown
 }
 
+// Error describes the OutcomeError in one line.
 func (e *OutcomeError) Error() string {
 	var b strings.Builder
 	b.WriteString("ledger: ")

@@ -161,6 +161,7 @@ type Error struct {
 	Err        error
 }
 
+// Error describes the Error in one line.
 func (e *Error) Error() string { return fmt.Sprintf("%s readback error: %v", e.Class, e.Err) }
 
 // Unwrap returns the underlying error.

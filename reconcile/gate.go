@@ -47,6 +47,7 @@ type Deferral struct {
 	Until  time.Time
 }
 
+// Error describes the Deferral in one line.
 func (d *Deferral) Error() string {
 	return fmt.Sprintf("deferred until %s: %s", d.Until.Format(time.RFC3339Nano), d.Reason)
 }

@@ -60,6 +60,7 @@ type NotFoundError struct {
 	ID int64
 }
 
+// Error describes the NotFoundError in one line.
 func (e *NotFoundError) Error() string { return fmt.Sprintf("receipt %d not found", e.ID) }
 
 // Is makes errors.Is true for ErrNotFound and ledger.ErrNotFound.
@@ -82,6 +83,7 @@ type NotHeldError struct {
 	Conflict *ledger.ConflictError
 }
 
+// Error describes the NotHeldError in one line.
 func (e *NotHeldError) Error() string {
 	msg := fmt.Sprintf("receipt %d is %s, not manual_review", e.ID, e.State)
 	if e.By != "" {

@@ -134,6 +134,7 @@ type TransitionError struct {
 	Reason string
 }
 
+// Error describes the TransitionError in one line.
 func (e *TransitionError) Error() string {
 	return fmt.Sprintf("illegal transition %s -> %s by %s: %s", e.From, e.To, e.Actor, e.Reason)
 }

@@ -80,6 +80,7 @@ const (
 	Abandoned
 )
 
+// String returns the name of the Outcome.
 func (o Outcome) String() string {
 	switch o {
 	case Success:
@@ -106,6 +107,7 @@ const (
 	Retry
 )
 
+// String returns the name of the Kind.
 func (k Kind) String() string {
 	switch k {
 	case First:
@@ -128,6 +130,7 @@ const (
 	Open
 )
 
+// String returns the name of the BreakerState.
 func (s BreakerState) String() string {
 	switch s {
 	case Closed:
@@ -176,6 +179,7 @@ type Deferral struct {
 	Detail string
 }
 
+// Error describes the Deferral in one line.
 func (d *Deferral) Error() string {
 	return fmt.Sprintf("protect: %s deferred until %s: %s: %s",
 		d.Dependency, d.Until.Format(time.RFC3339Nano), d.Reason, d.Detail)
