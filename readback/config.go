@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"math"
 	"os"
 	"sort"
 	"strings"
@@ -18,9 +19,12 @@ import (
 type ConfigError struct {
 	File    string
 	Adapter string
-	Field   string
-	Line    int
-	Err     error
+	// Dependency names the entry of the top-level dependencies mapping at
+	// fault (Adapter is empty then).
+	Dependency string
+	Field      string
+	Line       int
+	Err        error
 }
 
 func (e *ConfigError) Error() string {
@@ -34,6 +38,9 @@ func (e *ConfigError) Error() string {
 	}
 	if e.Adapter != "" {
 		fmt.Fprintf(&b, "adapter %q: ", e.Adapter)
+	}
+	if e.Dependency != "" {
+		fmt.Fprintf(&b, "dependency %q: ", e.Dependency)
 	}
 	if e.Field != "" {
 		fmt.Fprintf(&b, "%s: ", e.Field)
@@ -82,6 +89,9 @@ type fileConfig struct {
 	Version  int         `yaml:"version"`
 	Defaults policyYAML  `yaml:"defaults"`
 	Adapters []yaml.Node `yaml:"adapters"`
+	// Dependencies is decoded by hand (loadDependencies), field by field,
+	// so every error names its line.
+	Dependencies yaml.Node `yaml:"dependencies"`
 }
 
 type policyYAML struct {
@@ -114,7 +124,7 @@ type adapterYAML struct {
 
 // Keys allowed in each mapping; anything else is a typo the loader names.
 // Functions, not variables, so no caller can widen them.
-func topKeys() []string { return []string{"version", "defaults", "adapters"} }
+func topKeys() []string { return []string{"version", "defaults", "adapters", "dependencies"} }
 
 func policyKeys() []string {
 	return []string{"consistency_window", "max_request_lifetime", "max_checks", "deadline", "backoff", "idempotency"}
@@ -213,6 +223,13 @@ func Load(name string, r io.Reader, extra Types) (*Registry, error) {
 		}
 	}
 	defaults := fc.Defaults.apply(DefaultPolicy())
+	var deps map[string]DependencyLimits
+	if n := mapValue(root, "dependencies"); n != nil {
+		var de *dependencyError
+		if deps, de = loadDependencies(n); de != nil {
+			return nil, &ConfigError{File: name, Dependency: de.dependency, Field: de.field, Line: de.line, Err: de.err}
+		}
+	}
 	for i := range fc.Adapters {
 		n := &fc.Adapters[i]
 		label := fmt.Sprintf("#%d", i+1)
@@ -239,6 +256,17 @@ func Load(name string, r io.Reader, extra Types) (*Registry, error) {
 			return nil, fail(label, "", n.Line, err)
 		}
 	}
+	// A limit for a dependency no adapter reads would never apply: it is
+	// almost always a misspelt name, which would silently leave the real
+	// dependency on the defaults. Refuse it, like an unknown field.
+	for _, dep := range sortedKeys(deps) {
+		if !reg.readsDependency(dep) {
+			return nil, &ConfigError{File: name, Dependency: dep, Line: deps[dep].Line,
+				Err: fmt.Errorf("no adapter reads this dependency (adapters read: %s); fix the name or remove the entry",
+					reg.dependencyNames())}
+		}
+	}
+	reg.deps = deps
 	return reg, nil
 }
 
@@ -408,4 +436,293 @@ func lineOf(n *yaml.Node, key string) int {
 		return k.Line
 	}
 	return n.Line
+}
+
+// DependencyLimits are the protection limits the adapters file sets for one
+// dependency (the top-level `dependencies` mapping). A nil field is not set
+// in the file: the program's default applies (for `reconciler run`, its
+// flags). Package readback only carries the values; the program maps them
+// onto its protection (e.g. internal/protect) and checks them there against
+// its defaults.
+type DependencyLimits struct {
+	// Line is the line of the dependency's key in the file, for errors
+	// found once the limits are combined with the defaults.
+	Line int
+
+	// Concurrency is the most calls in flight (>= 1).
+	Concurrency *int
+	// Rate is the steady rate in calls per second (> 0; +Inf, `.inf` in
+	// YAML, for no rate limit); Burst the calls allowed at once above it.
+	Rate  *float64
+	Burst *int
+
+	// BreakerFailures is the consecutive transient failures that open the
+	// breaker; BreakerCooldown how long it stays open before one probe;
+	// BreakerMaxCooldown caps the cool-down grown by failed probes.
+	BreakerFailures    *int
+	BreakerCooldown    *time.Duration
+	BreakerMaxCooldown *time.Duration
+
+	// RetryRatio and RetryMin shape the retry budget: a retry is allowed
+	// while retries < max(RetryMin, RetryRatio × first calls) over the
+	// budget's window. A ratio of 0 with a min of 0 forbids retries.
+	RetryRatio *float64
+	RetryMin   *int
+
+	// DegradedEnter is the transient-failure rate (0, 1] that degrades the
+	// dependency; DegradedExit the rate [0, enter] below which it recovers;
+	// DegradedConcurrency the calls in flight while degraded.
+	DegradedEnter       *float64
+	DegradedExit        *float64
+	DegradedConcurrency *int
+}
+
+func (l DependencyLimits) clone() DependencyLimits {
+	c := l
+	c.Concurrency = clonePtr(l.Concurrency)
+	c.Rate = clonePtr(l.Rate)
+	c.Burst = clonePtr(l.Burst)
+	c.BreakerFailures = clonePtr(l.BreakerFailures)
+	c.BreakerCooldown = clonePtr(l.BreakerCooldown)
+	c.BreakerMaxCooldown = clonePtr(l.BreakerMaxCooldown)
+	c.RetryRatio = clonePtr(l.RetryRatio)
+	c.RetryMin = clonePtr(l.RetryMin)
+	c.DegradedEnter = clonePtr(l.DegradedEnter)
+	c.DegradedExit = clonePtr(l.DegradedExit)
+	c.DegradedConcurrency = clonePtr(l.DegradedConcurrency)
+	return c
+}
+
+func clonePtr[T any](p *T) *T {
+	if p == nil {
+		return nil
+	}
+	v := *p
+	return &v
+}
+
+type dependencyError struct {
+	dependency, field string
+	line              int
+	err               error
+}
+
+func (e *dependencyError) Error() string {
+	return fmt.Sprintf("dependency %q: %s: %v", e.dependency, e.field, e.err)
+}
+
+// Keys of a dependencies entry and of its nested blocks.
+func dependencyKeys() []string {
+	return []string{"concurrency", "rate", "burst", "breaker", "retry_budget", "degraded"}
+}
+
+func breakerKeys() []string     { return []string{"failures", "cooldown", "max_cooldown"} }
+func retryBudgetKeys() []string { return []string{"ratio", "min"} }
+func degradedKeys() []string    { return []string{"enter", "exit", "concurrency"} }
+
+// loadDependencies decodes and checks the top-level dependencies mapping.
+// Each value is checked on its own, and against the other values of the
+// same entry; checks against the program's defaults are the program's.
+func loadDependencies(n *yaml.Node) (map[string]DependencyLimits, *dependencyError) {
+	if n.Kind == yaml.ScalarNode && n.Tag == "!!null" {
+		return nil, nil // `dependencies:` with nothing under it
+	}
+	if n.Kind != yaml.MappingNode {
+		return nil, &dependencyError{field: "dependencies", line: n.Line,
+			err: errors.New("must be a mapping of dependency name to limits")}
+	}
+	out := map[string]DependencyLimits{}
+	for i := 0; i+1 < len(n.Content); i += 2 {
+		k, v := n.Content[i], n.Content[i+1]
+		dep := k.Value
+		if k.Kind != yaml.ScalarNode || dep == "" {
+			return nil, &dependencyError{field: "dependencies", line: k.Line, err: errors.New("a dependency name is empty")}
+		}
+		if prev, dup := out[dep]; dup {
+			return nil, &dependencyError{dependency: dep, line: k.Line,
+				err: fmt.Errorf("declared twice (first at line %d)", prev.Line)}
+		}
+		l, err := decodeDependency(v)
+		if err != nil {
+			err.dependency = dep
+			return nil, err
+		}
+		l.Line = k.Line
+		out[dep] = l
+	}
+	return out, nil
+}
+
+func decodeDependency(n *yaml.Node) (DependencyLimits, *dependencyError) {
+	var l DependencyLimits
+	if err := checkKeys(n, dependencyKeys()); err != nil {
+		return l, &dependencyError{field: err.field, line: err.line, err: err.err}
+	}
+	d := fieldDecoder{n: n}
+	l.Concurrency = d.int("concurrency", 1)
+	l.Rate = d.float("rate", func(f float64) error {
+		if !(f > 0) {
+			return errors.New("must be positive (calls per second; .inf for no limit)")
+		}
+		return nil
+	})
+	l.Burst = d.int("burst", 1)
+	d.block("breaker", breakerKeys(), func() {
+		l.BreakerFailures = d.int("breaker.failures", 1)
+		l.BreakerCooldown = d.duration("breaker.cooldown")
+		l.BreakerMaxCooldown = d.duration("breaker.max_cooldown")
+	})
+	d.block("retry_budget", retryBudgetKeys(), func() {
+		l.RetryRatio = d.float("retry_budget.ratio", func(f float64) error {
+			if !(f >= 0) || math.IsInf(f, 0) {
+				return errors.New("must be a finite number >= 0")
+			}
+			return nil
+		})
+		l.RetryMin = d.int("retry_budget.min", 0)
+	})
+	d.block("degraded", degradedKeys(), func() {
+		l.DegradedEnter = d.float("degraded.enter", func(f float64) error {
+			if !(f > 0 && f <= 1) {
+				return errors.New("must be a rate in (0, 1]")
+			}
+			return nil
+		})
+		l.DegradedExit = d.float("degraded.exit", func(f float64) error {
+			if !(f >= 0 && f <= 1) {
+				return errors.New("must be a rate in [0, 1]")
+			}
+			return nil
+		})
+		l.DegradedConcurrency = d.int("degraded.concurrency", 1)
+	})
+	if d.err != nil {
+		return l, d.err
+	}
+	// Checks between the values of this entry; the program checks the
+	// combination with its defaults.
+	switch {
+	case l.BreakerCooldown != nil && l.BreakerMaxCooldown != nil && *l.BreakerMaxCooldown < *l.BreakerCooldown:
+		return l, d.fail("breaker.max_cooldown", fmt.Errorf("must be at least breaker.cooldown (%s)", *l.BreakerCooldown))
+	case l.DegradedEnter != nil && l.DegradedExit != nil && *l.DegradedExit > *l.DegradedEnter:
+		return l, d.fail("degraded.exit", fmt.Errorf("must not exceed degraded.enter (%v)", *l.DegradedEnter))
+	case l.Concurrency != nil && l.DegradedConcurrency != nil && *l.DegradedConcurrency > *l.Concurrency:
+		return l, d.fail("degraded.concurrency", fmt.Errorf("must not exceed concurrency (%d)", *l.Concurrency))
+	}
+	return l, nil
+}
+
+// fieldDecoder decodes the scalar fields of one dependencies entry,
+// keeping the first error with the field's name and line.
+type fieldDecoder struct {
+	n   *yaml.Node
+	err *dependencyError
+}
+
+func (d *fieldDecoder) fail(field string, err error) *dependencyError {
+	line := d.n.Line
+	if k := mapKey(d.n, field); k != nil {
+		line = k.Line
+	}
+	return &dependencyError{field: field, line: line, err: err}
+}
+
+// scalar returns the value at field, or nil when absent or after an error.
+func (d *fieldDecoder) scalar(field string) *yaml.Node {
+	if d.err != nil {
+		return nil
+	}
+	v := mapValue(d.n, field)
+	if v == nil {
+		return nil
+	}
+	if v.Kind != yaml.ScalarNode || v.Tag == "!!null" {
+		d.err = d.fail(field, errors.New("must be a single value"))
+		return nil
+	}
+	return v
+}
+
+func (d *fieldDecoder) block(field string, keys []string, decode func()) {
+	if d.err != nil {
+		return
+	}
+	v := mapValue(d.n, field)
+	if v == nil {
+		return
+	}
+	if err := checkKeys(v, keys); err != nil {
+		if err.field == "" {
+			d.err = d.fail(field, err.err)
+		} else {
+			d.err = &dependencyError{field: field + "." + err.field, line: err.line, err: err.err}
+		}
+		return
+	}
+	decode()
+}
+
+func (d *fieldDecoder) int(field string, least int) *int {
+	v := d.scalar(field)
+	if v == nil {
+		return nil
+	}
+	var i int
+	if v.Tag != "!!int" || v.Decode(&i) != nil {
+		d.err = d.fail(field, fmt.Errorf("want an integer, got %q", v.Value))
+		return nil
+	}
+	if i < least {
+		if least == 1 {
+			d.err = d.fail(field, fmt.Errorf("must be positive, got %d", i))
+		} else {
+			d.err = d.fail(field, fmt.Errorf("must be at least %d, got %d", least, i))
+		}
+		return nil
+	}
+	return &i
+}
+
+func (d *fieldDecoder) float(field string, check func(float64) error) *float64 {
+	v := d.scalar(field)
+	if v == nil {
+		return nil
+	}
+	var f float64
+	if (v.Tag != "!!int" && v.Tag != "!!float") || v.Decode(&f) != nil {
+		d.err = d.fail(field, fmt.Errorf("want a number, got %q", v.Value))
+		return nil
+	}
+	if err := check(f); err != nil {
+		d.err = d.fail(field, err)
+		return nil
+	}
+	return &f
+}
+
+func (d *fieldDecoder) duration(field string) *time.Duration {
+	v := d.scalar(field)
+	if v == nil {
+		return nil
+	}
+	var du duration
+	if err := du.UnmarshalYAML(v); err != nil {
+		d.err = d.fail(field, err)
+		return nil
+	}
+	if du <= 0 {
+		d.err = d.fail(field, fmt.Errorf("must be positive, got %s", time.Duration(du)))
+		return nil
+	}
+	t := time.Duration(du)
+	return &t
+}
+
+func sortedKeys[V any](m map[string]V) []string {
+	keys := make([]string, 0, len(m))
+	for k := range m {
+		keys = append(keys, k)
+	}
+	sort.Strings(keys)
+	return keys
 }

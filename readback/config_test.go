@@ -3,6 +3,7 @@ package readback_test
 import (
 	"context"
 	"errors"
+	"math"
 	"strings"
 	"testing"
 	"time"
@@ -126,5 +127,136 @@ func TestLoadEmptyFile(t *testing.T) {
 	}
 	if _, ok := reg.Lookup("x", "y"); ok {
 		t.Fatal("an empty file declares no adapters")
+	}
+}
+
+const withDependencies = `version: 1
+adapters:
+  - {name: gh, type: static, kind: create, dependency: github, static: {verdict: present}}
+  - {name: pay, type: static, kind: create, dependency: stripe, static: {verdict: present}}
+  - {name: mail, type: blind, dependency: mailer}
+dependencies:
+  github:
+    concurrency: 2
+    rate: 1
+    burst: 5
+    breaker: {failures: 3, cooldown: 1m, max_cooldown: 10m}
+    retry_budget: {ratio: 0, min: 0}
+    degraded: {enter: 0.4, exit: 0.1, concurrency: 1}
+  stripe:
+    rate: 20.5
+  mailer: {}
+`
+
+func TestLoadDependencies(t *testing.T) {
+	reg, err := readback.Load("adapters.yaml", strings.NewReader(withDependencies), nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	deps := reg.Dependencies()
+	if len(deps) != 3 {
+		t.Fatalf("Dependencies() = %v, want github, stripe and mailer", deps)
+	}
+	gh := deps["github"]
+	if gh.Line != 7 || *gh.Concurrency != 2 || *gh.Rate != 1 || *gh.Burst != 5 ||
+		*gh.BreakerFailures != 3 || *gh.BreakerCooldown != time.Minute || *gh.BreakerMaxCooldown != 10*time.Minute ||
+		*gh.RetryRatio != 0 || *gh.RetryMin != 0 ||
+		*gh.DegradedEnter != 0.4 || *gh.DegradedExit != 0.1 || *gh.DegradedConcurrency != 1 {
+		t.Errorf("github = %+v", gh)
+	}
+	st := deps["stripe"]
+	if *st.Rate != 20.5 || st.Concurrency != nil || st.Burst != nil || st.BreakerFailures != nil ||
+		st.RetryRatio != nil || st.DegradedEnter != nil {
+		t.Errorf("stripe = %+v, want only rate set", st)
+	}
+	// The registry hands out copies.
+	*gh.Concurrency = 99
+	if *reg.Dependencies()["github"].Concurrency != 2 {
+		t.Error("changing a returned limit changed the registry")
+	}
+
+	inf, err := readback.Load("adapters.yaml", strings.NewReader(
+		"version: 1\nadapters:\n  - {name: a, type: blind, dependency: d}\ndependencies:\n  d: {rate: .inf}\n"), nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if r := *inf.Dependencies()["d"].Rate; !math.IsInf(r, 1) {
+		t.Errorf("rate .inf = %v", r)
+	}
+
+	for _, src := range []string{good, "version: 1\nadapters: []\ndependencies:\n"} {
+		reg, err := readback.Load("adapters.yaml", strings.NewReader(src), nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if d := reg.Dependencies(); len(d) != 0 {
+			t.Errorf("no dependencies block: Dependencies() = %v", d)
+		}
+	}
+	if d := readback.NewRegistry().Dependencies(); d == nil || len(d) != 0 {
+		t.Errorf("NewRegistry().Dependencies() = %v, want an empty map", d)
+	}
+}
+
+func TestLoadDependenciesErrors(t *testing.T) {
+	const head = "version: 1\nadapters:\n  - {name: a, type: blind, dependency: github}\ndependencies:\n" // 4 lines
+	tests := []struct {
+		name, yaml string
+		want       []string // substrings of the error
+	}{
+		{"zero rate", "  github:\n    rate: 0\n", []string{"adapters.yaml:6: ", `dependency "github": rate: must be positive`}},
+		{"negative rate", "  github: {rate: -1}\n", []string{"adapters.yaml:5: ", `dependency "github": rate: must be positive`}},
+		{"nan rate", "  github: {rate: .nan}\n", []string{`dependency "github": rate: must be positive`}},
+		{"rate as string", "  github: {rate: fast}\n", []string{`dependency "github": rate: want a number, got "fast"`}},
+		{"quoted integer", "  github: {concurrency: \"2\"}\n", []string{`dependency "github": concurrency: want an integer`}},
+		{"fractional burst", "  github: {burst: 1.5}\n", []string{`dependency "github": burst: want an integer`}},
+		{"zero concurrency", "  github: {concurrency: 0}\n", []string{`dependency "github": concurrency: must be positive, got 0`}},
+		{"zero burst", "  github: {burst: 0}\n", []string{`dependency "github": burst: must be positive`}},
+		{"typo", "  github:\n    rate: 1\n    brust: 5\n", []string{"adapters.yaml:7: ", `dependency "github": brust: unknown field`}},
+		{"nested typo", "  github:\n    breaker:\n      failures: 2\n      cooldwn: 1m\n",
+			[]string{"adapters.yaml:8: ", `dependency "github": breaker.cooldwn: unknown field`}},
+		{"breaker not a mapping", "  github: {breaker: 5}\n", []string{`dependency "github": breaker: must be a mapping`}},
+		{"zero failures", "  github: {breaker: {failures: 0}}\n", []string{`dependency "github": breaker.failures: must be positive`}},
+		{"bad cooldown", "  github: {breaker: {cooldown: soon}}\n", []string{`dependency "github": breaker.cooldown: want a duration`}},
+		{"negative cooldown", "  github: {breaker: {cooldown: -1s}}\n", []string{`dependency "github": breaker.cooldown: must be positive`}},
+		{"max below cooldown", "  github:\n    breaker: {cooldown: 1m, max_cooldown: 30s}\n",
+			[]string{"adapters.yaml:6: ", `breaker.max_cooldown: must be at least breaker.cooldown (1m0s)`}},
+		{"negative ratio", "  github: {retry_budget: {ratio: -0.1}}\n", []string{`dependency "github": retry_budget.ratio: must be a finite number >= 0`}},
+		{"infinite ratio", "  github: {retry_budget: {ratio: .inf}}\n", []string{`retry_budget.ratio: must be a finite number`}},
+		{"negative min", "  github: {retry_budget: {min: -1}}\n", []string{`dependency "github": retry_budget.min: must be at least 0`}},
+		{"enter above 1", "  github: {degraded: {enter: 1.5}}\n", []string{`dependency "github": degraded.enter: must be a rate in (0, 1]`}},
+		{"zero enter", "  github: {degraded: {enter: 0}}\n", []string{`degraded.enter: must be a rate in (0, 1]`}},
+		{"exit above enter", "  github: {degraded: {enter: 0.3, exit: 0.4}}\n", []string{`dependency "github": degraded.exit: must not exceed degraded.enter (0.3)`}},
+		{"degraded above concurrency", "  github: {concurrency: 2, degraded: {concurrency: 3}}\n",
+			[]string{`dependency "github": degraded.concurrency: must not exceed concurrency (2)`}},
+		{"null value", "  github: {rate: ~}\n", []string{`dependency "github": rate: must be a single value`}},
+		{"entry not a mapping", "  github: 5\n", []string{"adapters.yaml:5: ", `dependency "github": must be a mapping`}},
+		{"block not a mapping", "  - github\n", []string{"adapters.yaml:5: ", "dependencies: must be a mapping"}},
+		{"empty name", "  \"\": {rate: 1}\n", []string{"dependencies: a dependency name is empty"}},
+		{"declared twice", "  github: {rate: 1}\n  github: {rate: 2}\n", []string{"adapters.yaml:6: ", `dependency "github": declared twice (first at line 5)`}},
+		{"no adapter reads it", "  github: {rate: 1}\n  githbu: {rate: 2}\n",
+			[]string{"adapters.yaml:6: ", `dependency "githbu": no adapter reads this dependency (adapters read: github)`}},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			_, err := readback.Load("adapters.yaml", strings.NewReader(head+tt.yaml), nil)
+			if err == nil {
+				t.Fatal("want an error")
+			}
+			if !errors.Is(err, readback.ErrInvalidConfig) {
+				t.Errorf("error %v does not match ErrInvalidConfig", err)
+			}
+			for _, w := range tt.want {
+				if !strings.Contains(err.Error(), w) {
+					t.Errorf("error %q does not contain %q", err, w)
+				}
+			}
+		})
+	}
+
+	// With no adapter at all, the error says so.
+	_, err := readback.Load("adapters.yaml", strings.NewReader("version: 1\ndependencies:\n  github: {rate: 1}\n"), nil)
+	if err == nil || !strings.Contains(err.Error(), `adapters.yaml:3: dependency "github": no adapter reads this dependency (adapters read: none`) {
+		t.Errorf("dependency without adapters: %v", err)
 	}
 }

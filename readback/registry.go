@@ -4,6 +4,7 @@ import (
 	"errors"
 	"fmt"
 	"sort"
+	"strings"
 	"time"
 )
 
@@ -149,6 +150,8 @@ type Registry struct {
 	byOp  map[opKey]*Binding
 	byDep map[string]*Binding
 	all   []*Binding
+	// deps holds the protection limits of the adapters file, by dependency.
+	deps map[string]DependencyLimits
 }
 
 // NewRegistry returns an empty registry: every receipt is adapter-less.
@@ -236,4 +239,42 @@ func (r *Registry) Bindings() []Binding {
 	}
 	sort.Slice(out, func(i, j int) bool { return out[i].Name < out[j].Name })
 	return out
+}
+
+// Dependencies returns the protection limits the adapters file sets, by
+// dependency name (a copy: the registry stays read-only). A dependency
+// absent from the map, or a nil field, takes the program's defaults. Every
+// dependency in it is read by at least one adapter of the file.
+func (r *Registry) Dependencies() map[string]DependencyLimits {
+	if r == nil || len(r.deps) == 0 {
+		return map[string]DependencyLimits{}
+	}
+	out := make(map[string]DependencyLimits, len(r.deps))
+	for k, v := range r.deps {
+		out[k] = v.clone()
+	}
+	return out
+}
+
+// readsDependency reports whether an adapter reads dep.
+func (r *Registry) readsDependency(dep string) bool {
+	for _, b := range r.all {
+		if b.Dependency == dep {
+			return true
+		}
+	}
+	return false
+}
+
+// dependencyNames lists, sorted, the dependencies the adapters read, for
+// errors.
+func (r *Registry) dependencyNames() string {
+	seen := map[string]bool{}
+	for _, b := range r.all {
+		seen[b.Dependency] = true
+	}
+	if len(seen) == 0 {
+		return "none: no adapter is declared"
+	}
+	return strings.Join(sortedKeys(seen), ", ")
 }

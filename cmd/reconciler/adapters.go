@@ -48,10 +48,15 @@ func adaptersCheckAction(c *cli.Context) error {
 	if err != nil {
 		return cli.Exit(fmt.Sprintf("adapters check: %v", err), 1)
 	}
+	var limits strings.Builder
+	if err := printDependencyLimits(&limits, path, reg); err != nil {
+		return cli.Exit(fmt.Sprintf("adapters check: %v", err), 1)
+	}
 	out := c.App.Writer
 	bindings := reg.Bindings()
 	fmt.Fprintf(out, "%s: valid, %d adapter(s)\n", path, len(bindings))
 	printBindings(out, bindings)
+	fmt.Fprint(out, limits.String())
 	if !c.IsSet("receipt") {
 		return nil
 	}

@@ -6,11 +6,13 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
+	"math"
 	"net"
 	"net/http"
 	"os"
 	"sort"
 	"strconv"
+	"text/tabwriter"
 	"time"
 
 	"github.com/jackc/pgx/v5/pgxpool"
@@ -27,6 +29,10 @@ import (
 	"github.com/receiptledger/reconciler/reconcile"
 	"github.com/receiptledger/reconciler/statemachine"
 )
+
+// flagDefaults is the protection policy of a dependency when neither the
+// flags nor the adapters file say otherwise.
+var flagDefaults = protect.DefaultPolicy()
 
 // runFlags are the flags of run.
 func runFlags() []cli.Flag {
@@ -54,16 +60,16 @@ func runFlags() []cli.Flag {
 			Usage: "planned receipts older than this are counted as stale (never touched)"},
 		&cli.DurationFlag{Name: "grace-period", Value: 20 * time.Second, EnvVars: []string{"RECONCILER_GRACE_PERIOD"},
 			Usage: "on SIGTERM/SIGINT, how long in-flight checks may finish before their rows are released"},
-		&cli.IntFlag{Name: "breaker-failures", Value: 5, EnvVars: []string{"RECONCILER_BREAKER_FAILURES"},
-			Usage: "consecutive transient readback failures that open a dependency's circuit breaker"},
-		&cli.DurationFlag{Name: "breaker-cooldown", Value: 30 * time.Second, EnvVars: []string{"RECONCILER_BREAKER_COOLDOWN"},
-			Usage: "how long an open breaker waits before its single half-open probe"},
-		&cli.IntFlag{Name: "dependency-concurrency", Value: 8, EnvVars: []string{"RECONCILER_DEPENDENCY_CONCURRENCY"},
-			Usage: "readback calls in flight per dependency"},
-		&cli.Float64Flag{Name: "dependency-rate", Value: 5, EnvVars: []string{"RECONCILER_DEPENDENCY_RATE"},
-			Usage: "readback calls per second per dependency (Retry-After is honoured on top)"},
-		&cli.IntFlag{Name: "dependency-burst", Value: 10, EnvVars: []string{"RECONCILER_DEPENDENCY_BURST"},
-			Usage: "burst above the per-dependency rate"},
+		&cli.IntFlag{Name: "breaker-failures", Value: flagDefaults.Breaker.FailureThreshold, EnvVars: []string{"RECONCILER_BREAKER_FAILURES"},
+			Usage: "consecutive transient readback failures that open a dependency's circuit breaker; a default the adapters file overrides per dependency"},
+		&cli.DurationFlag{Name: "breaker-cooldown", Value: flagDefaults.Breaker.Cooldown, EnvVars: []string{"RECONCILER_BREAKER_COOLDOWN"},
+			Usage: "how long an open breaker waits before its single half-open probe; a default the adapters file overrides per dependency"},
+		&cli.IntFlag{Name: "dependency-concurrency", Value: flagDefaults.Concurrency.MaxInFlight, EnvVars: []string{"RECONCILER_DEPENDENCY_CONCURRENCY"},
+			Usage: "readback calls in flight per dependency; a default the adapters file overrides per dependency"},
+		&cli.Float64Flag{Name: "dependency-rate", Value: float64(flagDefaults.Rate.Limit), EnvVars: []string{"RECONCILER_DEPENDENCY_RATE"},
+			Usage: "readback calls per second per dependency, Retry-After honoured on top; a default the adapters file overrides per dependency"},
+		&cli.IntFlag{Name: "dependency-burst", Value: flagDefaults.Rate.Burst, EnvVars: []string{"RECONCILER_DEPENDENCY_BURST"},
+			Usage: "burst above the per-dependency rate; a default the adapters file overrides per dependency"},
 		&cli.StringFlag{Name: "metrics-addr", EnvVars: []string{"RECONCILER_METRICS_ADDR"},
 			Usage: "serve /metrics, /healthz and /readyz on this address (e.g. :9090); empty: off"},
 		&cli.StringFlag{Name: "log-level", Value: "info", EnvVars: []string{"RECONCILER_LOG_LEVEL"},
@@ -103,7 +109,8 @@ func runAction(c *cli.Context) error {
 	logger := base.With("instance", instance)
 
 	reg := readback.NewRegistry()
-	if path := c.String("adapters"); path != "" {
+	adaptersPath := c.String("adapters")
+	if path := adaptersPath; path != "" {
 		var err error
 		if reg, err = httpadapter.LoadFile(path, nil); err != nil {
 			return cli.Exit(fmt.Sprintf("run: %v", err), 1)
@@ -142,13 +149,14 @@ func runAction(c *cli.Context) error {
 		StalePlannedAfter: c.Duration("stale-planned-after"),
 		GracePeriod:       c.Duration("grace-period"),
 	}
-	pcfg := protect.DefaultConfig()
-	pcfg.Instance = instance
-	pcfg.Default.Breaker.FailureThreshold = c.Int("breaker-failures")
-	pcfg.Default.Breaker.Cooldown = c.Duration("breaker-cooldown")
-	pcfg.Default.Concurrency.MaxInFlight = c.Int("dependency-concurrency")
-	pcfg.Default.Rate.Limit = rate.Limit(c.Float64("dependency-rate"))
-	pcfg.Default.Rate.Burst = c.Int("dependency-burst")
+	pcfg, err := protectConfig(instance, flagPolicy(c), adaptersPath, reg.Dependencies())
+	if err != nil {
+		var ce *readback.ConfigError
+		if errors.As(err, &ce) {
+			return cli.Exit(fmt.Sprintf("run: %v", err), 1) // the adapters file
+		}
+		return cli.Exit(fmt.Sprintf("run: %v", err), 2) // the flags
+	}
 	guard, err := protect.New(protect.NewPGStore(db), pcfg, nil, logger)
 	if err != nil {
 		return cli.Exit(fmt.Sprintf("run: %v", err), 2)
@@ -186,6 +194,166 @@ func runAction(c *cli.Context) error {
 	}
 	logger.Info("reconciler stopped", "claimed", sum.Claimed, "settled", total(sum.Settled), "waiting", sum.Waiting)
 	return nil
+}
+
+// flagPolicy is the default protection policy set by the flags.
+func flagPolicy(c *cli.Context) protect.Policy {
+	p := flagDefaults
+	p.Breaker.FailureThreshold = c.Int("breaker-failures")
+	p.Breaker.Cooldown = c.Duration("breaker-cooldown")
+	p.Concurrency.MaxInFlight = c.Int("dependency-concurrency")
+	p.Rate.Limit = rate.Limit(c.Float64("dependency-rate"))
+	p.Rate.Burst = c.Int("dependency-burst")
+	return p
+}
+
+// protectConfig returns the protection of the readbacks: def (the flags)
+// is the policy of every dependency, and each entry of the adapters file's
+// dependencies block (read from file) replaces the fields it sets for its
+// dependency. An error about an entry is a *readback.ConfigError naming the
+// file, line, dependency and field; any other error is about the flags.
+func protectConfig(instance string, def protect.Policy, file string, deps map[string]readback.DependencyLimits) (protect.Config, error) {
+	cfg := protect.DefaultConfig()
+	cfg.Instance = instance
+	// A long --breaker-cooldown raises the cap of the grown cool-down
+	// rather than being refused for exceeding it.
+	def.Breaker.MaxCooldown = max(def.Breaker.MaxCooldown, def.Breaker.Cooldown)
+	cfg.Default = def
+	if err := def.Validate(); err != nil {
+		return protect.Config{}, fmt.Errorf("protection flags: %w", err)
+	}
+	names := make([]string, 0, len(deps))
+	for name := range deps {
+		names = append(names, name)
+	}
+	sort.Strings(names)
+	for _, name := range names {
+		l := deps[name]
+		p, field, err := applyLimits(def, l)
+		if err == nil {
+			if verr := p.Validate(); verr != nil { // a backstop: applyLimits names the fields
+				err = fmt.Errorf("with the flag defaults: %w", verr)
+			}
+		}
+		if err != nil {
+			return protect.Config{}, &readback.ConfigError{File: file, Line: l.Line, Dependency: name, Field: field, Err: err}
+		}
+		if cfg.Dependencies == nil {
+			cfg.Dependencies = map[string]protect.Policy{}
+		}
+		cfg.Dependencies[name] = p
+	}
+	return cfg, nil
+}
+
+// applyLimits returns def with the fields l sets replaced. Values left
+// unset follow the ones set where they must (the cool-down cap rises to the
+// cool-down, the degraded concurrency falls to the concurrency, the
+// degraded exit rate is half the enter rate), and a value set that
+// contradicts a default is refused, naming its field.
+func applyLimits(def protect.Policy, l readback.DependencyLimits) (protect.Policy, string, error) {
+	p := def
+	if l.Concurrency != nil {
+		p.Concurrency.MaxInFlight = *l.Concurrency
+	}
+	if l.Rate != nil {
+		p.Rate.Limit = rate.Limit(*l.Rate)
+		if math.IsInf(*l.Rate, 1) {
+			p.Rate.Limit = rate.Inf // no limit; rate.Inf is MaxFloat64, not +Inf
+		}
+	}
+	if l.Burst != nil {
+		p.Rate.Burst = *l.Burst
+	}
+	if l.BreakerFailures != nil {
+		p.Breaker.FailureThreshold = *l.BreakerFailures
+	}
+	if l.BreakerCooldown != nil {
+		p.Breaker.Cooldown = *l.BreakerCooldown
+	}
+	if l.BreakerMaxCooldown != nil {
+		p.Breaker.MaxCooldown = *l.BreakerMaxCooldown
+		if p.Breaker.MaxCooldown < p.Breaker.Cooldown {
+			return p, "breaker.max_cooldown", fmt.Errorf("must be at least the cooldown (%s, from --breaker-cooldown)", p.Breaker.Cooldown)
+		}
+	} else {
+		p.Breaker.MaxCooldown = max(p.Breaker.MaxCooldown, p.Breaker.Cooldown)
+	}
+	if l.RetryRatio != nil {
+		p.RetryBudget.Ratio = *l.RetryRatio
+	}
+	if l.RetryMin != nil {
+		p.RetryBudget.MinRetries = *l.RetryMin
+	}
+	if l.DegradedEnter != nil {
+		p.Degraded.EnterRate = *l.DegradedEnter
+		if l.DegradedExit == nil {
+			p.Degraded.ExitRate = *l.DegradedEnter / 2
+		}
+	}
+	if l.DegradedExit != nil {
+		p.Degraded.ExitRate = *l.DegradedExit
+		if p.Degraded.ExitRate > p.Degraded.EnterRate {
+			return p, "degraded.exit", fmt.Errorf("must not exceed degraded.enter (%v by default)", p.Degraded.EnterRate)
+		}
+	}
+	if l.DegradedConcurrency != nil {
+		p.Degraded.MaxInFlight = *l.DegradedConcurrency
+		if p.Degraded.MaxInFlight > p.Concurrency.MaxInFlight {
+			return p, "degraded.concurrency", fmt.Errorf("must not exceed concurrency (%d, from --dependency-concurrency)", p.Concurrency.MaxInFlight)
+		}
+	} else {
+		p.Degraded.MaxInFlight = min(p.Degraded.MaxInFlight, p.Concurrency.MaxInFlight)
+	}
+	return p, "", nil
+}
+
+// printDependencyLimits writes the protection each dependency read by an
+// adapter of reg gets from `reconciler run` with its default flags, for
+// `adapters check`. It fails like run would on limits that contradict
+// those defaults.
+func printDependencyLimits(w io.Writer, file string, reg *readback.Registry) error {
+	deps := reg.Dependencies()
+	cfg, err := protectConfig("", flagDefaults, file, deps)
+	if err != nil {
+		return fmt.Errorf("%w (with run's default protection flags)", err)
+	}
+	names := map[string]bool{}
+	for _, b := range reg.Bindings() {
+		if b.Kind != readback.Blind {
+			names[b.Dependency] = true // a blind adapter makes no calls
+		}
+	}
+	for name := range deps {
+		names[name] = true
+	}
+	if len(names) == 0 {
+		return nil
+	}
+	sorted := make([]string, 0, len(names))
+	for name := range names {
+		sorted = append(sorted, name)
+	}
+	sort.Strings(sorted)
+	fmt.Fprintln(w, "\nprotection of each dependency (run's flags apply where the file sets nothing):")
+	tw := tabwriter.NewWriter(w, 2, 4, 2, ' ', 0)
+	fmt.Fprintln(tw, "DEPENDENCY\tCONCURRENCY\tRATE\tBURST\tBREAKER\tRETRY BUDGET\tDEGRADED\tFROM")
+	for _, name := range sorted {
+		p, from := cfg.Default, "flags"
+		if dp, ok := cfg.Dependencies[name]; ok {
+			p, from = dp, "file+flags"
+		}
+		r, burst := fmt.Sprintf("%g/s", float64(p.Rate.Limit)), strconv.Itoa(p.Rate.Burst)
+		if p.Rate.Limit == rate.Inf {
+			r, burst = "unlimited", "-"
+		}
+		fmt.Fprintf(tw, "%s\t%d\t%s\t%s\t%d failures, %s cooldown (max %s)\t%g%%, min %d per %s\tat %g%% (exit %g%%), %d in flight\t%s\n",
+			name, p.Concurrency.MaxInFlight, r, burst,
+			p.Breaker.FailureThreshold, p.Breaker.Cooldown, p.Breaker.MaxCooldown,
+			p.RetryBudget.Ratio*100, p.RetryBudget.MinRetries, p.RetryBudget.Window,
+			p.Degraded.EnterRate*100, p.Degraded.ExitRate*100, p.Degraded.MaxInFlight, from)
+	}
+	return tw.Flush()
 }
 
 func total(m map[statemachine.State]int) int {
