@@ -179,6 +179,16 @@ BEGIN
         RAISE EXCEPTION 'illegal transition % -> % by %: %', OLD.state, NEW.state, NEW.state_actor, why
             USING ERRCODE = 'RL001';
     END IF;
+    -- Where the roles of docs/roles.sql are in use, "human" is a database
+    -- role too: an agent's or the daemon's login cannot leave manual_review by
+    -- writing a human actor. (Only moves out of manual_review pay for this.)
+    IF OLD.state = 'manual_review'
+       AND (coalesce(pg_has_role(current_user, to_regrole('reconciler_agent'), 'MEMBER'), false)
+            OR coalesce(pg_has_role(current_user, to_regrole('reconciler_worker'), 'MEMBER'), false))
+       AND NOT coalesce(pg_has_role(current_user, to_regrole('reconciler_reviewer'), 'MEMBER'), false) THEN
+        RAISE EXCEPTION 'illegal transition % -> % by %: only a member of reconciler_reviewer may leave manual_review',
+            OLD.state, NEW.state, NEW.state_actor USING ERRCODE = 'RL001';
+    END IF;
     -- A move that did not set its own detail must not inherit the previous one's.
     IF NEW.state_detail = OLD.state_detail THEN
         NEW.state_detail := '{}';
@@ -209,8 +219,20 @@ $$;
 
 -- History rows are written per statement from the transition tables, so a
 -- batch of N moves costs one INSERT, not N.
+--
+-- Both history functions are SECURITY DEFINER: they run with the rights of
+-- their owner, whoever ran the migrations (the owner of the schema and its
+-- tables), so the roles of docs/roles.sql move receipts without holding
+-- INSERT on receipt_events or receipt_keys, and no client can write a
+-- history row of its own. As every SECURITY DEFINER function should, they
+-- pin search_path (pg_temp last, so no temporary object can shadow a name;
+-- every name inside is schema-qualified anyway, and new_rows is the
+-- trigger's transition table, resolved before any schema). The GUC save and
+-- restore that the SET clause costs is paid once per statement, not per
+-- row, and measured below the noise of a single-row move (~40 us).
 -- +goose StatementBegin
-CREATE FUNCTION reconciler.receipts_record_insert() RETURNS trigger LANGUAGE plpgsql AS $$
+CREATE FUNCTION reconciler.receipts_record_insert() RETURNS trigger LANGUAGE plpgsql
+SECURITY DEFINER SET search_path = pg_catalog, reconciler, pg_temp AS $$
 BEGIN
     INSERT INTO reconciler.receipt_keys (idempotency_key, receipt_id)
     SELECT n.idempotency_key, n.id FROM new_rows n;
@@ -225,7 +247,8 @@ $$;
 -- +goose StatementEnd
 
 -- +goose StatementBegin
-CREATE FUNCTION reconciler.receipts_record_update() RETURNS trigger LANGUAGE plpgsql AS $$
+CREATE FUNCTION reconciler.receipts_record_update() RETURNS trigger LANGUAGE plpgsql
+SECURITY DEFINER SET search_path = pg_catalog, reconciler, pg_temp AS $$
 BEGIN
     INSERT INTO reconciler.receipt_events
         (receipt_id, seq, from_state, to_state, at, actor, error, evidence, detail, external_id)
