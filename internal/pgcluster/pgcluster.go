@@ -34,7 +34,8 @@ func Start() (*Cluster, error) {
 	if err != nil {
 		return nil, err
 	}
-	dir, err := os.MkdirTemp("", "reconciler-pg-")
+	reapOrphans(bin)
+	dir, err := os.MkdirTemp("", dirPrefix)
 	if err != nil {
 		return nil, err
 	}
@@ -68,6 +69,12 @@ func Start() (*Cluster, error) {
 		os.RemoveAll(dir)
 		return nil, err
 	}
+	// Recorded only once the server runs, so reapOrphans never mistakes a
+	// cluster being set up for a dead one.
+	if err := os.WriteFile(filepath.Join(dir, ownerFile), []byte(strconv.Itoa(os.Getpid())), 0o644); err != nil {
+		_ = c.Stop()
+		return nil, err
+	}
 	c.URL = fmt.Sprintf("postgres://postgres@127.0.0.1:%d/postgres?sslmode=disable", port)
 	return c, nil
 }
@@ -90,6 +97,39 @@ func (c *Cluster) run(name string, args ...string) error {
 		return fmt.Errorf("%s: %w: %s", name, err, lastLines(string(out), 5))
 	}
 	return nil
+}
+
+const (
+	dirPrefix = "reconciler-pg-"
+	// ownerFile holds the pid of the process that started the cluster.
+	ownerFile = "owner.pid"
+)
+
+// reapOrphans stops and removes clusters left behind by processes that died
+// without stopping them (a test binary killed by a timeout or a panic), so
+// a developer's machine does not fill with idle servers.
+func reapOrphans(bin string) {
+	dirs, _ := filepath.Glob(filepath.Join(os.TempDir(), dirPrefix+"*"))
+	for _, dir := range dirs {
+		raw, err := os.ReadFile(filepath.Join(dir, ownerFile))
+		if err != nil {
+			continue // being set up, or not ours
+		}
+		pid, err := strconv.Atoi(strings.TrimSpace(string(raw)))
+		if err != nil || pid <= 0 {
+			continue
+		}
+		if err := syscall.Kill(pid, 0); !errors.Is(err, syscall.ESRCH) {
+			continue // the owner is alive (or cannot be told dead)
+		}
+		c := &Cluster{dir: dir, bin: bin}
+		if info, err := os.Stat(dir); err == nil {
+			if st, ok := info.Sys().(*syscall.Stat_t); ok && os.Geteuid() == 0 && st.Uid != 0 {
+				c.cred = &syscall.Credential{Uid: st.Uid, Gid: st.Gid}
+			}
+		}
+		_ = c.Stop()
+	}
 }
 
 func findServerBin() (string, error) {
