@@ -6,25 +6,8 @@ import (
 	"unicode/utf8"
 )
 
-// parsePointer splits an RFC 6901 JSON pointer into its unescaped reference
-// tokens. The empty pointer refers to the whole document and yields no
-// tokens. (Compute validates and resolves pointers without splitting them:
-// validatePointer and resolvePointer.)
-func parsePointer(s string) ([]string, error) {
-	if err := validatePointer(s); err != nil || s == "" {
-		return nil, err
-	}
-	tokens := strings.Split(s[1:], "/")
-	for i, tok := range tokens {
-		if strings.IndexByte(tok, '~') >= 0 {
-			tokens[i] = unescapeToken(tok)
-		}
-	}
-	return tokens, nil
-}
-
-// validatePointer checks that s is an RFC 6901 JSON pointer, with the errors
-// of parsePointer, without allocating.
+// validatePointer checks that s is an RFC 6901 JSON pointer without
+// allocating.
 func validatePointer(s string) error {
 	if s == "" {
 		return nil

@@ -460,3 +460,20 @@ func TestPooledParsersDoNotLeak(t *testing.T) {
 	}
 	wg.Wait()
 }
+
+// parsePointer splits an RFC 6901 JSON pointer into its unescaped reference
+// tokens, as the reference path does. The empty pointer refers to the whole
+// document and yields no tokens. (Compute validates and resolves pointers
+// without splitting them: validatePointer and resolvePointer.)
+func parsePointer(s string) ([]string, error) {
+	if err := validatePointer(s); err != nil || s == "" {
+		return nil, err
+	}
+	tokens := strings.Split(s[1:], "/")
+	for i, tok := range tokens {
+		if strings.IndexByte(tok, '~') >= 0 {
+			tokens[i] = unescapeToken(tok)
+		}
+	}
+	return tokens, nil
+}

@@ -27,6 +27,7 @@ type ConfigError struct {
 	Err        error
 }
 
+// Error describes the ConfigError in one line.
 func (e *ConfigError) Error() string {
 	var b strings.Builder
 	if e.File != "" {
@@ -62,6 +63,7 @@ type FieldError struct {
 	Err   error
 }
 
+// Error describes the FieldError in one line.
 func (e *FieldError) Error() string { return e.Field + ": " + e.Err.Error() }
 
 // Unwrap returns the cause.
@@ -341,6 +343,7 @@ type keyError struct {
 	err   error
 }
 
+// Error describes the keyError in one line.
 func (e *keyError) Error() string { return e.field + ": " + e.err.Error() }
 
 func checkPolicyKeys(n *yaml.Node, prefix string) *keyError {
@@ -507,6 +510,7 @@ type dependencyError struct {
 	err               error
 }
 
+// Error describes the dependencyError in one line.
 func (e *dependencyError) Error() string {
 	return fmt.Sprintf("dependency %q: %s: %v", e.dependency, e.field, e.err)
 }

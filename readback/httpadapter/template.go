@@ -104,19 +104,6 @@ func checkRef(ref string, intentFields map[string]string) error {
 	return fmt.Errorf("unknown placeholder {%s} (known: %s, intent.<name>)", ref, strings.Join(receiptRefs(), ", "))
 }
 
-// empty reports whether the template has no parts.
-func (t template) empty() bool { return len(t.parts) == 0 }
-
-// refs returns whether the template references ref.
-func (t template) refs(ref string) bool {
-	for _, p := range t.parts {
-		if p.ref == ref {
-			return true
-		}
-	}
-	return false
-}
-
 // scope is what a template is rendered against: one receipt at one check.
 type scope struct {
 	r           readback.Receipt
