@@ -328,10 +328,6 @@ func TestIssue7NoRedirects(t *testing.T) {
 	t.Run("303 after POST, then 429 on the GET", func(t *testing.T) {
 		env := newHTTPEnvOn(t, pool)
 		var gets atomic.Int32
-		srv := env.serve(t, func(w http.ResponseWriter, r *http.Request) {
-			w.Header().Set("Location", "https://agent:"+httpSecretPass+"@"+r.Host+"/api/articles/art_303?token="+httpSecretQuery)
-			w.WriteHeader(http.StatusSeeOther)
-		})
 		// The GET the redirect points at would say 429, which would make
 		// the step retryable and the POST be sent again.
 		other := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
@@ -339,6 +335,11 @@ func TestIssue7NoRedirects(t *testing.T) {
 			writeJSON(w, 429, `{"error":"slow down"}`)
 		}))
 		t.Cleanup(other.Close)
+		srv := env.serve(t, func(w http.ResponseWriter, r *http.Request) {
+			w.Header().Set("Location", "http://agent:"+httpSecretPass+"@"+strings.TrimPrefix(other.URL, "http://")+
+				"/api/articles/art_303?token="+httpSecretQuery)
+			w.WriteHeader(http.StatusSeeOther)
+		})
 		caller := &ledger.Caller{Ledger: env.ledger, HTTP: testHTTPClient(t, 0)}
 		ctx := context.Background()
 
@@ -371,49 +372,65 @@ func TestIssue7NoRedirects(t *testing.T) {
 		}
 	})
 
-	t.Run("307 to another host", func(t *testing.T) {
-		env := newHTTPEnvOn(t, pool)
-		var leaked atomic.Int32
-		other := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-			leaked.Add(1)
-			if r.Header.Get("X-Api-Key") != "" || r.Header.Get("Authorization") != "" {
-				t.Errorf("the other host received the call's credentials")
+	// A 307 keeps the method and body: a bodiless DELETE would be replayed
+	// as is on the other host, with the call's custom auth header.
+	for _, tc := range []struct {
+		method string
+		status int
+	}{{http.MethodDelete, http.StatusTemporaryRedirect}, {http.MethodPost, http.StatusTemporaryRedirect},
+		{http.MethodPost, http.StatusFound}} {
+		t.Run(fmt.Sprintf("%d of a %s to another host", tc.status, tc.method), func(t *testing.T) {
+			env := newHTTPEnvOn(t, pool)
+			var leaked atomic.Int32
+			other := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+				leaked.Add(1)
+				if r.Header.Get("X-Api-Key") != "" {
+					t.Errorf("the other host received the call's X-Api-Key")
+				}
+				writeJSON(w, 201, `{"id":"art_elsewhere"}`)
+			}))
+			t.Cleanup(other.Close)
+			srv := env.serve(t, func(w http.ResponseWriter, r *http.Request) {
+				http.Redirect(w, r, other.URL+"/api/articles/art_1", tc.status)
+			})
+			caller := &ledger.Caller{Ledger: env.ledger, HTTP: testHTTPClient(t, 0)}
+			in, req := articleCall(t, srv.URL+"/api/articles/art_1", fmt.Sprint("redirect-", tc.status, tc.method))
+			if tc.method == http.MethodDelete {
+				del, err := http.NewRequest(http.MethodDelete, req.URL.String(), nil)
+				if err != nil {
+					t.Fatal(err)
+				}
+				del.Header = req.Header
+				req, in.Payload = del, nil
 			}
-			writeJSON(w, 201, `{"id":"art_elsewhere"}`)
-		}))
-		t.Cleanup(other.Close)
-		srv := env.serve(t, func(w http.ResponseWriter, r *http.Request) {
-			http.Redirect(w, r, other.URL+"/api/articles", http.StatusTemporaryRedirect)
+			req.Header.Set("X-Api-Key", httpSecretToken)
+			res, err := caller.Do(context.Background(), in, req)
+			if !errors.Is(err, ledger.ErrOutcomeUnknown) || res.Receipt.State != statemachine.OutcomeUnknown {
+				t.Fatalf("Do answered %d: %v, want outcome_unknown", tc.status, err)
+			}
+			if n := leaked.Load(); n != 0 {
+				t.Fatalf("the other host saw %d requests, want none", n)
+			}
+			ce, _ := lastDetail(t, env, res.Receipt.ID)
+			if ce.Code != fmt.Sprint("http_", tc.status) || strings.Contains(ce.Message, "likely exists") {
+				t.Errorf("recorded error %+v, want http_%d without a claim that the effect exists", ce, tc.status)
+			}
 		})
-		caller := &ledger.Caller{Ledger: env.ledger, HTTP: testHTTPClient(t, 0)}
-		in, req := articleCall(t, srv.URL+"/api/articles", "redirect-307")
-		req.Header.Set("X-Api-Key", httpSecretToken)
-		res, err := caller.Do(context.Background(), in, req)
-		if !errors.Is(err, ledger.ErrOutcomeUnknown) || res.Receipt.State != statemachine.OutcomeUnknown {
-			t.Fatalf("Do answered 307: %v, want outcome_unknown", err)
-		}
-		if n := leaked.Load(); n != 0 {
-			t.Fatalf("the other host saw %d requests, want none", n)
-		}
-		if ce, _ := lastDetail(t, env, res.Receipt.ID); ce.Code != "http_307" || strings.Contains(ce.Message, "likely exists") {
-			t.Errorf("recorded error %+v, want http_307 without a claim that the effect exists", ce)
-		}
-	})
+	}
 
 	t.Run("302 then 404 does not reject", func(t *testing.T) {
 		env := newHTTPEnvOn(t, pool)
 		var followed atomic.Int32
 		srv := env.serve(t, func(w http.ResponseWriter, r *http.Request) {
+			if r.URL.Path == "/gone" {
+				followed.Add(1)
+				writeJSON(w, 404, `{"error":"not found"}`)
+				return
+			}
 			w.Header().Set("Location", "/gone")
 			w.WriteHeader(http.StatusFound)
 		})
-		caller := &ledger.Caller{Ledger: env.ledger, HTTP: testHTTPClient(t, 0),
-			Classify: func(ex ledger.Exchange) (ledger.Verdict, bool) {
-				if ex.Request.URL.Path == "/gone" {
-					followed.Add(1)
-				}
-				return ledger.Verdict{}, false
-			}}
+		caller := &ledger.Caller{Ledger: env.ledger, HTTP: testHTTPClient(t, 0)}
 		in, req := articleCall(t, srv.URL+"/api/articles", "redirect-302")
 		res, err := caller.Do(context.Background(), in, req)
 		if errors.Is(err, ledger.ErrRejected) || res.Receipt.State != statemachine.OutcomeUnknown {
