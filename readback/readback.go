@@ -114,7 +114,14 @@ type Receipt struct {
 	Attempt     int
 	CreatedAt   time.Time
 	SubmittedAt time.Time
-	// Checks is the number of checks already made.
+	// SendDeadline is the latest moment the original request could have
+	// been written (submitted_at + the receipt's max_send_delay, SPEC §5a):
+	// the agent sends nothing after it. Zero means SubmittedAt.
+	SendDeadline time.Time
+	// UnknownSince is when the receipt last became outcome_unknown (first
+	// time, or after a requeue): the check bounds run from it.
+	UnknownSince time.Time
+	// Checks is the number of checks already made since UnknownSince.
 	Checks int
 }
 

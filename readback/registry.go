@@ -139,6 +139,9 @@ type Binding struct {
 	// Adapter answers the checks; nil for Kind Blind.
 	Adapter Adapter
 	Policy  Policy
+	// Control is the known effect the adapters file declares for this
+	// adapter (nil when none): a correctly configured adapter must find it.
+	Control *Control
 }
 
 type opKey struct{ dependency, operation string }
