@@ -30,16 +30,16 @@ const (
 // Evidence is what a settlement rests on: what was queried, what matched,
 // how many checks over how long, and which guarantee made absence safe.
 type Evidence struct {
-	Adapter            string             `json:"adapter,omitempty"`
-	AdapterType        string             `json:"adapter_type,omitempty"`
-	Kind               readback.Kind      `json:"kind,omitempty"`
-	Operation          string             `json:"operation"`
-	Dependency         string             `json:"dependency"`
-	Query              string             `json:"query,omitempty"`
-	Verdict            string             `json:"verdict,omitempty"`
-	Authoritative      bool               `json:"authoritative,omitempty"`
-	Matched            []string           `json:"matched,omitempty"`
-	Checks int `json:"checks"`
+	Adapter       string        `json:"adapter,omitempty"`
+	AdapterType   string        `json:"adapter_type,omitempty"`
+	Kind          readback.Kind `json:"kind,omitempty"`
+	Operation     string        `json:"operation"`
+	Dependency    string        `json:"dependency"`
+	Query         string        `json:"query,omitempty"`
+	Verdict       string        `json:"verdict,omitempty"`
+	Authoritative bool          `json:"authoritative,omitempty"`
+	Matched       []string      `json:"matched,omitempty"`
+	Checks        int           `json:"checks"`
 	// SinceSubmissionSec is the time from submission to the moment the read
 	// began (SPEC §5a: never the moment its answer arrived).
 	SinceSubmissionSec float64 `json:"since_submission_s"`
