@@ -106,6 +106,11 @@ WITH u AS (
     FROM u
     WHERE r.id = ANY ($1::bigint[]) AND r.id = u.id
       AND r.state = 'reconciling' AND r.lease_owner = u.lease
+      -- An agent that recorded a late 2xx since the claim wins: the row
+      -- stays leased and its next claim settles it succeeded (the trigger
+      -- would refuse safe_to_retry and fail the whole batch).
+      AND (u.to_state <> 'safe_to_retry' OR NOT EXISTS (
+          SELECT FROM reconciler.late_outcomes l WHERE l.receipt_id = r.id AND l.outcome = 'succeeded'))
     RETURNING r.id
 ), c AS (
     INSERT INTO reconciler.readback_checks
