@@ -27,7 +27,8 @@ import (
 //
 // Controls run lazily: only when an absence would otherwise settle a
 // receipt and the binding's last run is older than Config.ControlInterval;
-// a pass counts for Config.ControlValidFor. They go through the same Gate
+// after a failed run, once Config.ControlRetry has passed; a pass counts for
+// Config.ControlValidFor. They go through the same Gate
 // as checks. Until a control passes the receipt waits (released with its
 // next check, never safe_to_retry), the check record says why, the adapter
 // is reported unhealthy (reconciler_adapter_control_ok, a log line,
@@ -112,7 +113,11 @@ func (s *session) control(b *readback.Binding) controlVerdict {
 		}
 	}
 	now := cfg.Now()
-	if !e.lastRun.IsZero() && now.Sub(e.lastRun) < cfg.ControlInterval {
+	every := cfg.ControlInterval
+	if e.reason != "" {
+		every = min(every, cfg.ControlRetry) // the last run failed
+	}
+	if !e.lastRun.IsZero() && now.Sub(e.lastRun) < every {
 		v := e.verdict(now, cfg.ControlValidFor)
 		cs.mu.Unlock()
 		return v

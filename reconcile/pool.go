@@ -97,10 +97,12 @@ type Config struct {
 	SweepTimeout time.Duration
 	// ControlInterval is how long a binding's positive control result is
 	// reused before the control runs again, when an absence needs it
-	// (default 5m). ControlValidFor is how long a pass lets absences settle
+	// (default 5m); after a failed run it runs again after ControlRetry
+	// (default 5s). ControlValidFor is how long a pass lets absences settle
 	// (default 15m). ControlScan bounds the newest receipts searched for a
 	// ledger-derived control (default ControlScan).
 	ControlInterval time.Duration
+	ControlRetry    time.Duration
 	ControlValidFor time.Duration
 	ControlScan     int
 }
@@ -142,6 +144,7 @@ func (c Config) withDefaults() Config {
 	def(&c.MetricsInterval, 15*time.Second)
 	def(&c.SweepTimeout, DefaultSweepLimit)
 	def(&c.ControlInterval, 5*time.Minute)
+	def(&c.ControlRetry, 5*time.Second)
 	def(&c.ControlValidFor, 15*time.Minute)
 	if c.ControlScan == 0 {
 		c.ControlScan = ControlScan
@@ -163,7 +166,7 @@ func (c Config) validate() error {
 	case c.MaxInFlight < c.BatchSize:
 		return bad("max in flight (%d) must be at least the batch size (%d)", c.MaxInFlight, c.BatchSize)
 	case c.CheckTimeout <= 0 || c.Lease <= 0 || c.PollInterval <= 0 || c.FlushInterval <= 0 || c.GracePeriod < 0 ||
-		c.SweepTimeout <= 0 || c.ControlInterval <= 0 || c.ControlValidFor <= 0 || c.ControlScan < 1:
+		c.SweepTimeout <= 0 || c.ControlInterval <= 0 || c.ControlRetry <= 0 || c.ControlValidFor <= 0 || c.ControlScan < 1:
 		return bad("durations must be positive")
 	case c.Lease < 2*c.CheckTimeout:
 		// A check must be able to start after waiting in the pool and still
