@@ -21,6 +21,7 @@ import (
 
 	"github.com/receiptledger/reconciler/internal/pgtest"
 	"github.com/receiptledger/reconciler/ledger"
+	"github.com/receiptledger/reconciler/readback"
 	"github.com/receiptledger/reconciler/readback/httpadapter"
 	"github.com/receiptledger/reconciler/reconcile"
 )
@@ -160,6 +161,10 @@ type adEnv struct {
 	clk    *clock
 	adFile string
 	logs   *adLogs
+	// controls, if set, declares positive controls on the loaded registry
+	// (issue 7: until an adapter's control passes, its absences settle
+	// nothing).
+	controls func(*readback.Registry)
 }
 
 func newAdEnv(t *testing.T, adapters string) *adEnv {
@@ -173,6 +178,26 @@ func newAdEnv(t *testing.T, adapters string) *adEnv {
 		t.Fatal(err)
 	}
 	return &adEnv{t: t, db: db, agent: agent, clk: newClock(), adFile: path, logs: &adLogs{}}
+}
+
+// succeeded plans a call, submits it and records the API's 2xx, as the
+// agent does: a receipt "settled succeeded from a response", which the
+// reconciler uses as the positive control of the adapter that reads it.
+func (e *adEnv) succeeded(op, dep, target, payload string, pre json.RawMessage, externalID string) *ledger.Receipt {
+	e.t.Helper()
+	ctx := context.Background()
+	r, err := e.agent.Plan(ctx, ledger.Intent{IdempotencyKey: ledger.Key(e.t.Name(), payload+target, op),
+		Operation: op, Dependency: dep, Method: "POST", Target: target, Payload: json.RawMessage(payload), PreImage: pre})
+	if err != nil {
+		e.t.Fatal(err)
+	}
+	if r, err = e.agent.Submit(ctx, r); err != nil {
+		e.t.Fatal(err)
+	}
+	if r, err = e.agent.Succeed(ctx, r, externalID, ledger.Detail{Evidence: map[string]any{"source": "http_response", "http_status": 200}}); err != nil {
+		e.t.Fatal(err)
+	}
+	return r
 }
 
 // unknown plans a call, submits it and records a transport failure.
@@ -200,6 +225,9 @@ func (e *adEnv) drain() {
 	reg, err := httpadapter.LoadFile(e.adFile, nil, httpadapter.WithClock(e.clk.Now))
 	if err != nil {
 		e.t.Fatal(err)
+	}
+	if e.controls != nil {
+		e.controls(reg)
 	}
 	p, err := reconcile.New(e.db, reconcile.Config{Instance: "adapters-test", Registry: reg, Now: e.clk.Now,
 		Logger:  slog.New(slog.NewJSONHandler(e.logs, &slog.HandlerOptions{Level: slog.LevelDebug})),
@@ -301,6 +329,8 @@ adapters:
 	none := e.unknown("charges.create", "stripe", "/v1/charges", `{"amount":400}`, nil)
 	unauthorized := e.unknown("charges.create", "stripe-eu", "/v1/charges", `{"amount":500}`, nil)
 	limitedR := e.unknown("charges.create", "stripe-us", "/v1/charges", `{"amount":600}`, nil)
+	// The positive control: a charge the agent saw created (a 2xx).
+	control := e.succeeded("charges.create", "stripe", "/v1/charges", `{"amount":700}`, nil, "ch_control")
 
 	// The clock starts now that the rows exist, so they are due.
 	e.clk = newClock()
@@ -314,7 +344,8 @@ adapters:
 	good.add(adCharge{id: "ch_page3", created: now, marker: page3.IdempotencyKey},
 		adCharge{id: "ch_dup1", created: now, marker: dup.IdempotencyKey},
 		adCharge{id: "ch_dup2", created: now, marker: dup.IdempotencyKey},
-		adCharge{id: "ch_old", created: now.Add(-2 * time.Hour), marker: outside.IdempotencyKey})
+		adCharge{id: "ch_old", created: now.Add(-2 * time.Hour), marker: outside.IdempotencyKey},
+		adCharge{id: "ch_control", created: now, marker: control.IdempotencyKey})
 
 	e.drain()
 	checks := []struct {
@@ -352,10 +383,11 @@ adapters:
 		t.Errorf("duplicate: %d alarms (%v)", alarms, err)
 	}
 
-	// After the consistency window (5s) but inside the request lifetime
-	// (10s more), the authoritative absences settle on the strength of
-	// Stripe's native idempotency keys: the retry must reuse the key.
-	e.clk.Advance(7 * time.Second)
+	// After the send deadline (5s, the default max_send_delay) and the
+	// consistency window (5s) but inside the request lifetime (10s more),
+	// the authoritative absences settle on the strength of Stripe's native
+	// idempotency keys: the retry must reuse the key.
+	e.clk.Advance(11 * time.Second)
 	e.drain()
 	for _, id := range []int64{outside.ID, none.ID} {
 		s := e.state(id)
@@ -421,6 +453,17 @@ adapters:
 		{"delete done", "items.delete", "/v1/items/d1", nil, "succeeded", "succeeded"},
 		{"delete not done", "items.delete", "/v1/items/d2", item("old"), "reconciling", "safe_to_retry"},
 		{"delete target changed by someone else", "items.delete", "/v1/items/d3", item("theirs"), "manual_review", "manual_review"},
+	}
+	// Positive controls: an update the agent saw succeed, whose item holds
+	// the new title; and, for the delete adapter, a declared item known to
+	// exist (a deleted one reads absent, like a misconfiguration).
+	e.succeeded("items.update", "shop", "/v1/items/c1", `{"title":"new"}`, pre, "it_c1")
+	api.setItem("/v1/items/c1", item("new"))
+	api.setItem("/v1/items/c2", item("old"))
+	e.controls = func(reg *readback.Registry) {
+		b, _ := reg.Lookup("items.delete", "shop")
+		b.Control = &readback.Control{Source: "declared", Receipt: readback.Receipt{Operation: "items.delete",
+			Dependency: "shop", Method: "POST", Target: "/v1/items/c2", Intent: json.RawMessage(`{}`), PreImage: pre}}
 	}
 	ids := make([]int64, len(cases))
 	for i, c := range cases {

@@ -150,8 +150,19 @@ type resource struct {
 	created time.Time
 }
 
+// controlMarker marks the resource every fakeAPI holds from the start: the
+// positive control declared for its adapter (issue 7: an adapter's absence
+// settles nothing until its control has passed).
+const controlMarker = "control-marker"
+
+// fakeControl is the declared control of adapters over fakeAPI.
+func fakeControl() *readback.Control {
+	return &readback.Control{Receipt: readback.Receipt{IdempotencyKey: controlMarker}, Source: "declared"}
+}
+
 func newFakeAPI(t testing.TB, now func() time.Time, lag time.Duration) *fakeAPI {
 	f := &fakeAPI{clock: now, lag: lag, resources: map[string][]resource{}, retryAfter: "1"}
+	f.resources[controlMarker] = []resource{{id: "control-thing"}} // created long ago
 	f.srv = httptest.NewServer(http.HandlerFunc(f.serve))
 	t.Cleanup(f.srv.Close)
 	return f
@@ -250,7 +261,7 @@ func registry(t testing.TB, api *fakeAPI, p readback.Policy, extra ...readback.B
 	if api != nil {
 		if err := reg.Register(readback.Binding{Name: "fake-search", Kind: readback.Create,
 			Dependency: "fake-api", Adapter: searchAdapter{base: api.srv.URL, client: api.srv.Client()},
-			Policy: p}); err != nil {
+			Policy: p, Control: fakeControl()}); err != nil {
 			t.Fatal(err)
 		}
 	}

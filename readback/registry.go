@@ -48,7 +48,8 @@ type Policy struct {
 	IdempotencyKeys      bool
 	IdempotencyRetention time.Duration
 	// MaxChecks bounds the checks of one receipt; Deadline bounds the time
-	// since submission. Hitting either without proof means manual review.
+	// since it became outcome_unknown (its unknown_since: a requeue starts
+	// both afresh). Hitting either without proof means manual review.
 	MaxChecks int
 	Deadline  time.Duration
 	// BackoffBase and BackoffCap shape the full-jitter schedule between
@@ -71,28 +72,53 @@ func DefaultPolicy() Policy {
 	}
 }
 
-// AbsenceWindow returns the earliest time after submission at which an
-// authoritative absence proves that the effect did not happen, and the
-// guarantee that makes it so. With native idempotency keys the consistency
-// window alone suffices while the key is retained; otherwise the longest
-// request lifetime must have passed too.
-func (p Policy) AbsenceWindow(submitted, now time.Time) (safeAt time.Time, g Guarantee, ok bool) {
-	lifetime := submitted.Add(p.MaxRequestLifetime + p.ConsistencyWindow)
-	if !now.Before(lifetime) {
+// DefaultMaxSendDelay is the send deadline's delay after submission for a
+// receipt that records none (the schema's default, SPEC §5a).
+const DefaultMaxSendDelay = 5 * time.Second
+
+// SendDeadlineOf returns r's send deadline: r.SendDeadline, or
+// SubmittedAt + DefaultMaxSendDelay for a receipt that records none.
+func SendDeadlineOf(r Receipt) time.Time {
+	if !r.SendDeadline.IsZero() {
+		return r.SendDeadline
+	}
+	return r.SubmittedAt.Add(DefaultMaxSendDelay)
+}
+
+// AbsenceWindow is AbsenceWindowFor a receipt submitted at submitted with
+// the default send deadline (DefaultMaxSendDelay).
+func (p Policy) AbsenceWindow(submitted, readAt time.Time) (safeAt time.Time, g Guarantee, ok bool) {
+	return p.AbsenceWindowFor(Receipt{SubmittedAt: submitted}, readAt)
+}
+
+// AbsenceWindowFor returns the earliest time at which an authoritative
+// absence of r's effect proves that it did not happen, the guarantee that
+// makes it so, and whether a read that BEGAN at readAt is past it (SPEC
+// §5a: the time the answer arrived never counts). The original request was
+// written by the send deadline or not at all, may take effect up to
+// MaxRequestLifetime later, and is visible ConsistencyWindow after that:
+// safeAt = send deadline + MaxRequestLifetime + ConsistencyWindow. With
+// native idempotency keys the consistency window after the send deadline
+// suffices while the key is retained (counted from submission, the earliest
+// the API can have seen it), since a straggler is deduplicated by the API.
+func (p Policy) AbsenceWindowFor(r Receipt, readAt time.Time) (safeAt time.Time, g Guarantee, ok bool) {
+	send := SendDeadlineOf(r)
+	lifetime := send.Add(p.MaxRequestLifetime + p.ConsistencyWindow)
+	if !readAt.Before(lifetime) {
 		return lifetime, RequestLifetimeElapsed, true
 	}
 	if p.IdempotencyKeys {
-		keyed := submitted.Add(p.ConsistencyWindow)
-		retained := submitted.Add(p.IdempotencyRetention)
-		if keyed.Before(retained) && now.Before(retained) {
-			return keyed, NativeIdempotencyKey, !now.Before(keyed)
+		keyed := send.Add(p.ConsistencyWindow)
+		retained := r.SubmittedAt.Add(p.IdempotencyRetention)
+		if keyed.Before(retained) && readAt.Before(retained) {
+			return keyed, NativeIdempotencyKey, !readAt.Before(keyed)
 		}
 	}
 	return lifetime, RequestLifetimeElapsed, false
 }
 
-// absenceDelay is how long after submission an absence becomes conclusive
-// in the best case.
+// absenceDelay is how long after the send deadline an absence becomes
+// conclusive in the best case.
 func (p Policy) absenceDelay() time.Duration {
 	if p.IdempotencyKeys && p.IdempotencyRetention > p.ConsistencyWindow {
 		return p.ConsistencyWindow

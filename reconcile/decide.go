@@ -22,22 +22,31 @@ const (
 	ReasonReadbackError     = "readback_error"
 	ReasonBoundReached      = "bound_reached"
 	ReasonInvalidAnswer     = "invalid_adapter_answer"
+	// ReasonAgentResponse: the agent recorded the API's 2xx response as a
+	// late outcome after the orphan sweep had moved the receipt.
+	ReasonAgentResponse = "agent_response"
 )
 
 // Evidence is what a settlement rests on: what was queried, what matched,
 // how many checks over how long, and which guarantee made absence safe.
 type Evidence struct {
-	Adapter            string             `json:"adapter,omitempty"`
-	AdapterType        string             `json:"adapter_type,omitempty"`
-	Kind               readback.Kind      `json:"kind,omitempty"`
-	Operation          string             `json:"operation"`
-	Dependency         string             `json:"dependency"`
-	Query              string             `json:"query,omitempty"`
-	Verdict            string             `json:"verdict,omitempty"`
-	Authoritative      bool               `json:"authoritative,omitempty"`
-	Matched            []string           `json:"matched,omitempty"`
-	Checks             int                `json:"checks"`
-	SinceSubmissionSec float64            `json:"since_submission_s"`
+	Adapter       string        `json:"adapter,omitempty"`
+	AdapterType   string        `json:"adapter_type,omitempty"`
+	Kind          readback.Kind `json:"kind,omitempty"`
+	Operation     string        `json:"operation"`
+	Dependency    string        `json:"dependency"`
+	Query         string        `json:"query,omitempty"`
+	Verdict       string        `json:"verdict,omitempty"`
+	Authoritative bool          `json:"authoritative,omitempty"`
+	Matched       []string      `json:"matched,omitempty"`
+	Checks        int           `json:"checks"`
+	// SinceSubmissionSec is the time from submission to the moment the read
+	// began (SPEC §5a: never the moment its answer arrived).
+	SinceSubmissionSec float64 `json:"since_submission_s"`
+	// ReadAt is when the read began, on the database's clock.
+	ReadAt *time.Time `json:"read_at,omitempty"`
+	// SendDeadline is the latest moment the original could have been sent.
+	SendDeadline       *time.Time         `json:"send_deadline,omitempty"`
 	ConsistencyWindow  string             `json:"consistency_window,omitempty"`
 	MaxRequestLifetime string             `json:"max_request_lifetime,omitempty"`
 	Guarantee          readback.Guarantee `json:"guarantee,omitempty"`
@@ -48,7 +57,38 @@ type Evidence struct {
 	// Bound names the bound that was hit: max_checks or deadline.
 	Bound           string          `json:"bound,omitempty"`
 	AdapterEvidence json.RawMessage `json:"adapter_evidence,omitempty"`
+	// Control says which positive control made the adapter's absence
+	// authoritative, or why none did (SPEC §5a, "positive control").
+	Control string `json:"positive_control,omitempty"`
+	// Source is "agent_response" for a settlement from a late outcome.
+	Source string `json:"source,omitempty"`
+	// LateOutcomes are the outcomes the agent recorded after the orphan
+	// sweep moved the receipt (reconciler.late_outcomes).
+	LateOutcomes []LateOutcome `json:"late_outcomes,omitempty"`
 }
+
+// LateOutcome is an outcome an agent observed after the orphan sweep had
+// already moved its receipt to outcome_unknown (reconciler.late_outcomes).
+type LateOutcome struct {
+	At         time.Time       `json:"at"`
+	Actor      string          `json:"actor"`
+	Outcome    string          `json:"outcome"`
+	HTTPStatus *int            `json:"http_status,omitempty"`
+	ExternalID string          `json:"external_id,omitempty"`
+	Detail     json.RawMessage `json:"detail,omitempty"`
+}
+
+// controlVerdict is whether an adapter's absences may count (its positive
+// control passed recently), and what to record about it.
+type controlVerdict struct {
+	ok   bool
+	note string
+}
+
+// controlAssumed is the verdict of Decide, which has no pool and so no
+// record of controls: it explains the settlement rules as if the adapter's
+// control had passed (NeedsControl says when that matters).
+var controlAssumed = controlVerdict{ok: true, note: "assumed passed (no control state)"}
 
 // decider turns one check into an outcome. It is a pure function of its
 // inputs (the clock and the jitter source are injected), so the settlement
@@ -64,14 +104,40 @@ func (d decider) manual(now time.Time, c Claimed, b *readback.Binding, reason st
 		Detail: Detail{Reason: reason, Evidence: ev}, Adapter: ev.Adapter, Dependency: c.Dependency}
 }
 
+// lateSucceeded returns c's late succeeded outcome, if the agent recorded
+// one (the latest).
+func lateSucceeded(c Claimed) (LateOutcome, bool) {
+	for i := len(c.LateOutcomes) - 1; i >= 0; i-- {
+		if c.LateOutcomes[i].Outcome == string(statemachine.Succeeded) {
+			return c.LateOutcomes[i], true
+		}
+	}
+	return LateOutcome{}, false
+}
+
+// late settles c succeeded from the agent's late outcome lo: the API
+// answered the original request with a 2xx after the orphan sweep moved the
+// receipt. No adapter is called; the evidence says where the proof came
+// from.
+func (d decider) late(now time.Time, c Claimed, b *readback.Binding, lo LateOutcome) Outcome {
+	ev := d.evidence(now, c, b, c.Checks)
+	ev.Source = ReasonAgentResponse
+	out := Outcome{ID: c.ID, Lease: c.Lease, To: statemachine.Succeeded,
+		Detail: Detail{Reason: ReasonAgentResponse, Evidence: ev}, ExternalID: lo.ExternalID,
+		Adapter: ev.Adapter, Dependency: c.Dependency}
+	return out
+}
+
 // release puts c back, due at next, without counting a check.
 func (d decider) release(c Claimed, next time.Time) Outcome {
 	return Outcome{ID: c.ID, Lease: c.Lease, To: statemachine.Reconciling, NextCheck: next, Dependency: c.Dependency}
 }
 
 func (d decider) evidence(now time.Time, c Claimed, b *readback.Binding, checks int) *Evidence {
+	send := readback.SendDeadlineOf(c.Receipt)
 	ev := &Evidence{Operation: c.Operation, Dependency: c.Dependency, Checks: checks,
-		SinceSubmissionSec: now.Sub(c.SubmittedAt).Seconds()}
+		SinceSubmissionSec: now.Sub(c.SubmittedAt).Seconds(), SendDeadline: &send,
+		LateOutcomes: c.LateOutcomes}
 	if b != nil {
 		ev.Adapter, ev.AdapterType, ev.Kind = b.Name, b.Type, b.Kind
 		if b.Kind != readback.Blind {
@@ -82,30 +148,62 @@ func (d decider) evidence(now time.Time, c Claimed, b *readback.Binding, checks 
 	return ev
 }
 
-// Decide applies the settlement rules of SPEC §5 to one check of r, made at
-// now with adapter binding b, that answered res or failed with checkErr. It
-// returns what the reconciler would record — a settlement (To succeeded,
-// safe_to_retry or manual_review, with the reason and evidence in Detail) or
-// a release until NextCheck (To reconciling) — and changes nothing.
-// `reconciler adapters check` uses it to explain a decision with the very
-// rules the pool applies.
+// Decide applies the settlement rules of SPEC §5 and §5a to one check of r
+// whose read began at now, with adapter binding b, that answered res or
+// failed with checkErr. It returns what the reconciler would record — a
+// settlement (To succeeded, safe_to_retry or manual_review, with the reason
+// and evidence in Detail) or a release until NextCheck (To reconciling) —
+// and changes nothing. `reconciler adapters check` uses it to explain a
+// decision with the very rules the pool applies.
+//
+// Decide has no record of the adapter's positive control: it decides as if
+// the control had passed. The pool settles an outcome for which
+// NeedsControl is true only while the adapter's control has passed
+// recently; otherwise the receipt waits.
 func Decide(now time.Time, r readback.Receipt, b *readback.Binding, res readback.Result, checkErr error) Outcome {
-	return decider{}.decide(now, Claimed{Receipt: r}, b, res, checkErr, 0)
+	return decider{}.decide(now, now, Claimed{Receipt: r}, b, res, checkErr, 0, controlAssumed)
 }
 
-// decide applies the settlement rules to one check of c made at now.
-func (d decider) decide(now time.Time, c Claimed, b *readback.Binding, res readback.Result, checkErr error, latency time.Duration) Outcome {
+// NeedsControl reports whether o rests on an absence (safe_to_retry, or a
+// delete's succeeded from an absent answer): such an outcome stands only
+// if the adapter's positive control has passed recently (SPEC §5a), since a
+// wrong path, filter or marker reads exactly like "absent".
+func NeedsControl(o Outcome) bool {
+	switch o.Detail.Reason {
+	case ReasonAbsentAfterWindow, ReasonPresentAfterDelay, ReasonDeleted:
+		return o.Settles()
+	}
+	return false
+}
+
+// decide applies the settlement rules to one check of c whose read began
+// at readAt and whose answer arrived at answeredAt (both on the database's
+// clock). Every judgement of time (window, bounds, evidence) uses readAt: a
+// read that began before the window closed proves nothing, however late its
+// answer came. Only the next check is scheduled from answeredAt. An absence
+// settles only if ctl says the adapter's positive control passed.
+func (d decider) decide(readAt, answeredAt time.Time, c Claimed, b *readback.Binding, res readback.Result, checkErr error, latency time.Duration, ctl controlVerdict) Outcome {
+	now := readAt
 	p := b.Policy
 	checks := c.Checks + 1
-	rec := &CheckRecord{CheckNo: checks, At: now, Adapter: b.Name, Dependency: c.Dependency, Latency: latency}
+	rec := &CheckRecord{CheckNo: checks, At: readAt, Adapter: b.Name, Dependency: c.Dependency, Latency: latency}
 	ev := d.evidence(now, c, b, checks)
+	ra := readAt
+	ev.ReadAt = &ra
 	out := Outcome{ID: c.ID, Lease: c.Lease, Check: rec, Adapter: b.Name, Dependency: c.Dependency}
 	settle := func(to statemachine.State, reason string) Outcome {
 		out.To = to
 		out.Detail = Detail{Reason: reason, Evidence: ev}
 		return out
 	}
-	deadline := c.SubmittedAt.Add(p.Deadline)
+	// The bounds run from the moment the receipt (last) became
+	// outcome_unknown: a requeue by a reviewer starts them afresh, and the
+	// trigger resets check_count with it.
+	since := c.UnknownSince
+	if since.IsZero() {
+		since = c.SubmittedAt
+	}
+	deadline := since.Add(p.Deadline)
 	bound := ""
 	switch {
 	case checks >= p.MaxChecks:
@@ -113,7 +211,7 @@ func (d decider) decide(now time.Time, c Claimed, b *readback.Binding, res readb
 	case !now.Before(deadline):
 		bound = "deadline"
 	}
-	safeAt, guarantee, absenceProves := p.AbsenceWindow(c.SubmittedAt, now)
+	safeAt, guarantee, absenceProves := p.AbsenceWindowFor(c.Receipt, readAt)
 	// again reschedules, or gives up when a bound is reached.
 	again := func(minWait time.Duration) Outcome {
 		if bound != "" {
@@ -121,7 +219,7 @@ func (d decider) decide(now time.Time, c Claimed, b *readback.Binding, res readb
 			return settle(statemachine.ManualReview, ReasonBoundReached)
 		}
 		j := FullJitter{Base: p.BackoffBase, Cap: p.BackoffCap, Int63n: d.int63n}
-		next := now.Add(max(j.Delay(checks-1), minWait))
+		next := later(answeredAt, readAt).Add(max(j.Delay(checks-1), minWait))
 		// The last check allowed should be one that can conclude: not
 		// before the absence window, and not after the deadline.
 		if checks == p.MaxChecks-1 && next.Before(safeAt) {
@@ -160,8 +258,31 @@ func (d decider) decide(now time.Time, c Claimed, b *readback.Binding, res readb
 	}
 	ev.Query, ev.Verdict, ev.Authoritative = res.Query, string(res.Verdict), res.Authoritative
 	ev.Matched = res.ExternalIDs
+	// heldBack records that an absence would have settled the receipt but
+	// the adapter's positive control has not passed: the receipt waits.
+	heldBack := func() bool {
+		ev.Control = "not passed: " + ctl.note
+		held := map[string]any{"absence_not_authoritative": "positive control not passed: " + ctl.note}
+		if len(rec.Evidence) > 0 {
+			held["adapter_evidence"] = rec.Evidence
+		}
+		if j, err := json.Marshal(held); err == nil {
+			rec.Evidence = j
+		}
+		return false
+	}
+	authoritativeAbsence := func() bool {
+		if !res.Authoritative {
+			return false
+		}
+		if !ctl.ok {
+			return heldBack()
+		}
+		ev.Control = ctl.note
+		return true
+	}
 	conclusiveAbsence := func() bool {
-		if !absenceProves || !res.Authoritative {
+		if !absenceProves || !authoritativeAbsence() {
 			return false
 		}
 		ev.Guarantee = guarantee
@@ -181,8 +302,9 @@ func (d decider) decide(now time.Time, c Claimed, b *readback.Binding, res readb
 		switch res.Verdict {
 		case readback.VerdictAbsent:
 			// The delete's target state is visible: positive proof, no
-			// window needed, as long as the source is authoritative.
-			if res.Authoritative {
+			// window needed, as long as the source is authoritative and
+			// the adapter is known to find what exists (its control).
+			if authoritativeAbsence() {
 				return settle(statemachine.Succeeded, ReasonDeleted)
 			}
 		case readback.VerdictPresent:

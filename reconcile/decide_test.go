@@ -2,6 +2,7 @@ package reconcile
 
 import (
 	"errors"
+	"strings"
 	"testing"
 	"time"
 
@@ -17,8 +18,11 @@ func TestDecide(t *testing.T) {
 	}
 	keyed := policy
 	keyed.IdempotencyKeys, keyed.IdempotencyRetention = true, 24*time.Hour
-	before := submitted.Add(15 * time.Second) // inside lifetime+window (30s)
-	after := submitted.Add(31 * time.Second)
+	// The send deadline is 5 s after submission (the default max_send_delay):
+	// absence is conclusive at 5 s + lifetime 20 s + window 10 s.
+	send := submitted.Add(5 * time.Second)
+	before := submitted.Add(15 * time.Second) // inside send+lifetime+window (35s)
+	after := submitted.Add(36 * time.Second)
 	present := readback.Result{Verdict: readback.VerdictPresent, ExternalIDs: []string{"ext-1"}, Authoritative: true}
 	absent := readback.Result{Verdict: readback.VerdictAbsent, Authoritative: true}
 	absentWeak := readback.Result{Verdict: readback.VerdictAbsent}
@@ -64,9 +68,10 @@ func TestDecide(t *testing.T) {
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
 			b := &readback.Binding{Name: "a", Kind: tt.kind, Dependency: "d", Policy: tt.policy}
-			c := Claimed{Receipt: readback.Receipt{ID: 7, Operation: "o", Dependency: "d", SubmittedAt: submitted, Checks: tt.checks}, Lease: "l"}
+			c := Claimed{Receipt: readback.Receipt{ID: 7, Operation: "o", Dependency: "d", SubmittedAt: submitted,
+				SendDeadline: send, UnknownSince: submitted, Checks: tt.checks}, Lease: "l"}
 			d := decider{int63n: func(n int64) int64 { return n - 1 }}
-			out := d.decide(tt.now, c, b, tt.res, tt.err, time.Millisecond)
+			out := d.decide(tt.now, tt.now, c, b, tt.res, tt.err, time.Millisecond, controlVerdict{ok: true, note: "test"})
 			if out.To != tt.to {
 				t.Fatalf("to = %s, want %s (detail %+v)", out.To, tt.to, out.Detail)
 			}
@@ -106,9 +111,10 @@ func TestDecideLastCheckAimsAtTheWindow(t *testing.T) {
 	p := readback.Policy{ConsistencyWindow: time.Minute, MaxRequestLifetime: time.Minute,
 		MaxChecks: 3, Deadline: time.Hour, BackoffBase: time.Millisecond, BackoffCap: time.Millisecond}
 	b := &readback.Binding{Name: "a", Kind: readback.Create, Dependency: "d", Policy: p}
-	c := Claimed{Receipt: readback.Receipt{SubmittedAt: submitted, Checks: 1}}
-	out := decider{}.decide(submitted.Add(time.Second), c, b, readback.Result{Verdict: readback.VerdictAbsent, Authoritative: true}, nil, 0)
-	if want := submitted.Add(2 * time.Minute); !out.NextCheck.Equal(want) {
+	c := Claimed{Receipt: readback.Receipt{SubmittedAt: submitted, SendDeadline: submitted.Add(time.Second), Checks: 1}}
+	now := submitted.Add(time.Second)
+	out := decider{}.decide(now, now, c, b, readback.Result{Verdict: readback.VerdictAbsent, Authoritative: true}, nil, 0, controlAssumed)
+	if want := submitted.Add(time.Second + 2*time.Minute); !out.NextCheck.Equal(want) {
 		t.Fatalf("the last allowed check is at %s, want the end of the window %s", out.NextCheck, want)
 	}
 }
@@ -136,5 +142,70 @@ func TestFullJitter(t *testing.T) {
 	f.Reset()
 	if d := f.NextBackOff(); d >= time.Second {
 		t.Fatalf("after Reset the first wait is %s, want < base", d)
+	}
+}
+
+// Issue 7, paths 2 and 3 (and §5a): every judgement of time uses the moment
+// the read began; the window runs from the send deadline; the bounds from
+// unknown_since; and without a passing positive control no absence settles.
+func TestDecideTimeAndControl(t *testing.T) {
+	submitted := time.Date(2026, 1, 1, 12, 0, 0, 0, time.UTC)
+	p := readback.Policy{ConsistencyWindow: 4 * time.Second, MaxRequestLifetime: 6 * time.Second,
+		MaxChecks: 5, Deadline: time.Hour, BackoffBase: time.Second, BackoffCap: time.Minute}
+	send := submitted.Add(2 * time.Second)
+	window := send.Add(10 * time.Second) // send deadline + lifetime + consistency window
+	absent := readback.Result{Verdict: readback.VerdictAbsent, Authoritative: true}
+	present := readback.Result{Verdict: readback.VerdictPresent, Authoritative: true, ExternalIDs: []string{"x"}}
+	passed := controlVerdict{ok: true, note: "declared found"}
+	failed := controlVerdict{note: "control declared: adapter answered absent"}
+	r := readback.Receipt{ID: 1, SubmittedAt: submitted, SendDeadline: send, UnknownSince: submitted}
+	requeued := r
+	requeued.UnknownSince = submitted.Add(3 * time.Hour) // a reviewer requeued it; the trigger reset check_count
+	tests := []struct {
+		name             string
+		kind             readback.Kind
+		r                readback.Receipt
+		readAt, answered time.Time
+		res              readback.Result
+		ctl              controlVerdict
+		to               statemachine.State
+		reason           string
+	}{
+		// Issue 7, path 2: a read that began at window−1s and answered at window+1s.
+		{"read began before the window, answered after", readback.Create, r, window.Add(-time.Second), window.Add(time.Second), absent, passed, statemachine.Reconciling, ""},
+		{"read began at the window", readback.Create, r, window, window.Add(time.Second), absent, passed, statemachine.SafeToRetry, ReasonAbsentAfterWindow},
+		// §5a: the window counts from the send deadline, not submission.
+		{"submitted+lifetime+window is not enough", readback.Create, r, submitted.Add(11 * time.Second), submitted.Add(11 * time.Second), absent, passed, statemachine.Reconciling, ""},
+		// Issue 7, "a misconfigured adapter must not produce proof".
+		{"absence without a passing control waits", readback.Create, r, window.Add(time.Minute), window.Add(time.Minute), absent, failed, statemachine.Reconciling, ""},
+		{"delete: absent without a control is no proof", readback.Delete, r, window.Add(time.Minute), window.Add(time.Minute), absent, failed, statemachine.Reconciling, ""},
+		{"delete: absent with a control", readback.Delete, r, window.Add(-5 * time.Second), window, absent, passed, statemachine.Succeeded, ReasonDeleted},
+		{"delete: still present without a control waits", readback.Delete, r, window.Add(time.Minute), window.Add(time.Minute), present, failed, statemachine.Reconciling, ""},
+		{"presence needs no control", readback.Create, r, window.Add(-5 * time.Second), window, present, failed, statemachine.Succeeded, ReasonPresent},
+		// Issue 7, requeue: the deadline runs from unknown_since.
+		{"deadline from submission reached", readback.Create, r, submitted.Add(2 * time.Hour), submitted.Add(2 * time.Hour), readback.Result{Verdict: readback.VerdictInconclusive}, passed, statemachine.ManualReview, ReasonBoundReached},
+		{"requeued: deadline from unknown_since", readback.Create, requeued, submitted.Add(3*time.Hour + time.Minute), submitted.Add(3*time.Hour + time.Minute), readback.Result{Verdict: readback.VerdictInconclusive}, passed, statemachine.Reconciling, ""},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			b := &readback.Binding{Name: "a", Kind: tt.kind, Dependency: "d", Policy: p}
+			out := decider{}.decide(tt.readAt, tt.answered, Claimed{Receipt: tt.r}, b, tt.res, nil, 0, tt.ctl)
+			if out.To != tt.to || out.Detail.Reason != tt.reason {
+				t.Fatalf("to %s (%q), want %s (%q); evidence %+v", out.To, out.Detail.Reason, tt.to, tt.reason, out.Detail.Evidence)
+			}
+			if !out.Check.At.Equal(tt.readAt) {
+				t.Fatalf("check recorded at %s, want the read's start %s", out.Check.At, tt.readAt)
+			}
+			if !out.Settles() && out.NextCheck.Before(tt.answered) {
+				t.Fatalf("next check %s before the answer %s", out.NextCheck, tt.answered)
+			}
+			if !tt.ctl.ok && tt.res.Verdict == readback.VerdictAbsent && tt.to == statemachine.Reconciling &&
+				!strings.Contains(string(out.Check.Evidence), "positive control not passed") {
+				t.Fatalf("the check record does not say why the absence was held back: %s", out.Check.Evidence)
+			}
+			if NeedsControl(out) && out.Detail.Evidence.Control == "" {
+				t.Fatal("a settlement on an absence does not name its positive control")
+			}
+		})
 	}
 }

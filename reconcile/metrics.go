@@ -23,6 +23,10 @@ type Metrics struct {
 	OldestUnknown prometheus.Gauge
 	Breaker       *prometheus.GaugeVec // dependency, state
 	DBErrors      prometheus.Counter
+	// ClockSkew is the host's wall clock minus the database's.
+	ClockSkew prometheus.Gauge
+	// ControlOK is 1 while an adapter's positive control holds, else 0.
+	ControlOK *prometheus.GaugeVec // adapter
 }
 
 // NewMetrics creates the metrics and registers them with reg (a fresh
@@ -90,11 +94,19 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 			Name: "reconciler_database_errors_total",
 			Help: "Failed claim, complete or sweep statements (retried).",
 		}),
+		ClockSkew: prometheus.NewGauge(prometheus.GaugeOpts{
+			Name: "reconciler_clock_skew_seconds",
+			Help: "This host's wall clock minus the database's clock, as last measured (the reconciler uses the database's clock; beyond ±1 s it also logs a warning).",
+		}),
+		ControlOK: prometheus.NewGaugeVec(prometheus.GaugeOpts{
+			Name: "reconciler_adapter_control_ok",
+			Help: "1 while the adapter's positive control passed recently (its absences may settle receipts), 0 when it failed or has none.",
+		}, []string{"adapter"}),
 	}
 	if reg != nil {
 		reg.MustRegister(m.Settlements, m.Checks, m.CheckLatency, m.Failures, m.Deferrals,
 			m.Rescheduled, m.LeaseLost, m.Claimed, m.Orphans, m.Duplicates, m.Backlog,
-			m.StalePlanned, m.OldestUnknown, m.Breaker, m.DBErrors)
+			m.StalePlanned, m.OldestUnknown, m.Breaker, m.DBErrors, m.ClockSkew, m.ControlOK)
 	}
 	return m
 }

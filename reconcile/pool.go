@@ -23,6 +23,7 @@ import (
 	"github.com/cenkalti/backoff/v4"
 	"github.com/jackc/pgx/v5/pgxpool"
 
+	"github.com/receiptledger/reconciler/internal/dbclock"
 	"github.com/receiptledger/reconciler/readback"
 	"github.com/receiptledger/reconciler/statemachine"
 )
@@ -36,9 +37,19 @@ type Config struct {
 	Registry *readback.Registry
 	// Gate protects the dependencies; nil admits every check.
 	Gate Gate
-	// Now is the clock (default time.Now). Lease, due and window
-	// arithmetic use it, so tests can drive time.
+	// Now is the clock every comparison with a stored time uses (due,
+	// lease, orphan cut-off, window, deadline). It must be the database's
+	// clock (SPEC §5a, "one clock"): the default is Clock's Now. Tests
+	// inject their own to drive time.
 	Now func() time.Time
+	// Clock is the database-anchored clock used when Now is nil (default:
+	// one over the pool's database, with WallClock as the host's clock).
+	// The pool re-synchronises it every PollInterval and reports the skew
+	// (reconciler_clock_skew_seconds, and a warning beyond a second).
+	Clock *dbclock.Clock
+	// WallClock is the host's wall clock for the default Clock (default
+	// time.Now); it only measures the skew, nothing is compared with it.
+	WallClock func() time.Time
 	// Int63n draws the jitter (default math/rand/v2).
 	Int63n func(n int64) int64
 	// Logger receives JSON-ready structured logs (default: discard).
@@ -80,6 +91,20 @@ type Config struct {
 	GracePeriod time.Duration
 	// MetricsInterval is how often backlog gauges are refreshed (default 15s).
 	MetricsInterval time.Duration
+	// SweepTimeout bounds one orphan-sweep statement, on the client and on
+	// the server (statement and lock timeouts), so a stuck sweep cannot stop
+	// the claims (default 10s).
+	SweepTimeout time.Duration
+	// ControlInterval is how long a binding's positive control result is
+	// reused before the control runs again, when an absence needs it
+	// (default 5m); after a failed run it runs again after ControlRetry
+	// (default 5s). ControlValidFor is how long a pass lets absences settle
+	// (default 15m). ControlScan bounds the newest receipts searched for a
+	// ledger-derived control (default ControlScan).
+	ControlInterval time.Duration
+	ControlRetry    time.Duration
+	ControlValidFor time.Duration
+	ControlScan     int
 }
 
 func (c Config) withDefaults() Config {
@@ -87,9 +112,6 @@ func (c Config) withDefaults() Config {
 		if *d == 0 {
 			*d = v
 		}
-	}
-	if c.Now == nil {
-		c.Now = time.Now
 	}
 	if c.Logger == nil {
 		c.Logger = slog.New(slog.DiscardHandler)
@@ -120,6 +142,13 @@ func (c Config) withDefaults() Config {
 	def(&c.StalePlannedAfter, time.Hour)
 	def(&c.GracePeriod, 20*time.Second)
 	def(&c.MetricsInterval, 15*time.Second)
+	def(&c.SweepTimeout, DefaultSweepLimit)
+	def(&c.ControlInterval, 5*time.Minute)
+	def(&c.ControlRetry, 5*time.Second)
+	def(&c.ControlValidFor, 15*time.Minute)
+	if c.ControlScan == 0 {
+		c.ControlScan = ControlScan
+	}
 	return c
 }
 
@@ -136,7 +165,8 @@ func (c Config) validate() error {
 		return bad("batch size must be at least 1, got %d", c.BatchSize)
 	case c.MaxInFlight < c.BatchSize:
 		return bad("max in flight (%d) must be at least the batch size (%d)", c.MaxInFlight, c.BatchSize)
-	case c.CheckTimeout <= 0 || c.Lease <= 0 || c.PollInterval <= 0 || c.FlushInterval <= 0 || c.GracePeriod < 0:
+	case c.CheckTimeout <= 0 || c.Lease <= 0 || c.PollInterval <= 0 || c.FlushInterval <= 0 || c.GracePeriod < 0 ||
+		c.SweepTimeout <= 0 || c.ControlInterval <= 0 || c.ControlRetry <= 0 || c.ControlValidFor <= 0 || c.ControlScan < 1:
 		return bad("durations must be positive")
 	case c.Lease < 2*c.CheckTimeout:
 		// A check must be able to start after waiting in the pool and still
@@ -155,6 +185,13 @@ type Pool struct {
 	dec   decider
 	log   *slog.Logger
 	m     *Metrics
+	// clock is the database-anchored clock behind cfg.Now, nil when the
+	// caller injected Now.
+	clock *dbclock.Clock
+	ctl   controls
+
+	skewMu     sync.Mutex
+	skewWarned time.Time
 }
 
 // New returns a pool over db. It validates cfg (ErrInvalidConfig).
@@ -167,12 +204,64 @@ func New(db *pgxpool.Pool, cfg Config) (*Pool, error) {
 	if err != nil {
 		return nil, err
 	}
+	var clock *dbclock.Clock
+	if cfg.Now == nil {
+		clock = cfg.Clock
+		if clock == nil {
+			clock = dbclock.New(db, dbclock.WithWallClock(cfg.WallClock))
+		}
+		cfg.Now = clock.Now
+	}
 	return &Pool{
 		cfg: cfg, db: db, store: store,
-		dec: decider{int63n: cfg.Int63n},
-		log: cfg.Logger.With("instance", cfg.Instance),
-		m:   cfg.Metrics,
+		dec:   decider{int63n: cfg.Int63n},
+		log:   cfg.Logger.With("instance", cfg.Instance),
+		m:     cfg.Metrics,
+		clock: clock,
 	}, nil
+}
+
+// Now returns the pool's current time: the database's clock (a lower
+// bound), or the injected clock.
+func (p *Pool) Now() time.Time { return p.cfg.Now() }
+
+// syncClock re-anchors the database clock and reports the skew. With an
+// injected clock there is nothing to do.
+func (p *Pool) syncClock(ctx context.Context) error {
+	if p.clock == nil {
+		return nil
+	}
+	ctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+	defer cancel()
+	smp, err := p.clock.Sync(ctx)
+	if err != nil {
+		if p.clock.Synced() {
+			p.log.Warn("cannot re-read the database's clock; keeping the last anchor", "error", err)
+			return nil
+		}
+		return err
+	}
+	if p.m != nil {
+		p.m.ClockSkew.Set(smp.Skew.Seconds())
+	}
+	if smp.Skew > time.Second || smp.Skew < -time.Second {
+		p.skewMu.Lock()
+		warn := p.skewWarned.IsZero() || time.Since(p.skewWarned) >= 10*time.Minute
+		if warn {
+			p.skewWarned = time.Now()
+		}
+		p.skewMu.Unlock()
+		if warn {
+			p.log.Warn("this host's clock differs from the database's by more than a second; "+
+				"the reconciler uses the database's clock for every comparison with a stored time",
+				"skew_s", smp.Skew.Seconds(), "round_trip_ms", float64(smp.RoundTrip.Microseconds())/1000)
+		}
+	} else {
+		p.skewMu.Lock()
+		p.skewWarned = time.Time{}
+		p.skewMu.Unlock()
+	}
+	return nil
 }
 
 // Store returns the pool's store (claims, completions, backlog).
@@ -296,8 +385,24 @@ func (s *session) claimLoop(once bool, wake <-chan struct{}) error {
 	poll := time.NewTicker(cfg.PollInterval)
 	defer poll.Stop()
 	var lastSweep, lastMetrics time.Time
+	// Nothing is compared with a stored time before the clock has read the
+	// database's.
+	for {
+		err := p.syncClock(s.stop)
+		if err == nil {
+			break
+		}
+		if s.stop.Err() != nil {
+			return nil
+		}
+		s.dbError("clock", err)
+		if once {
+			return err
+		}
+		s.pause(wake, poll.C, cfg.PollInterval)
+	}
 	sweep := func() error {
-		orphans, err := p.store.SweepOrphans(s.stop, cfg.Now(), cfg.OrphanTimeout, cfg.BatchSize)
+		orphans, err := p.store.SweepOrphans(s.stop, cfg.Now(), cfg.OrphanTimeout, cfg.BatchSize, cfg.SweepTimeout)
 		for _, o := range orphans {
 			p.log.Info("orphaned submitted receipt moved to outcome_unknown",
 				"receipt_id", o.ID, "dependency", o.Dependency)
@@ -318,11 +423,15 @@ func (s *session) claimLoop(once bool, wake <-chan struct{}) error {
 	}
 	lastSweep = time.Now()
 	// Drain works what is due at its start: rows it reschedules are due
-	// later and wait for the next run, so a cron run always ends.
+	// later and wait for the next run, so a cron run always ends. Only the
+	// "due by" cut-off is fixed: every claim's lease runs from the claim.
 	cutoff := cfg.Now()
 	dbFailures := 0
 	for s.stop.Err() == nil {
 		if !once && time.Since(lastSweep) >= cfg.PollInterval {
+			if err := p.syncClock(s.stop); err != nil && s.stop.Err() == nil {
+				s.dbError("clock", err)
+			}
 			if err := sweep(); err != nil && s.stop.Err() == nil {
 				s.dbError("orphan sweep", err)
 			}
@@ -338,15 +447,16 @@ func (s *session) claimLoop(once bool, wake <-chan struct{}) error {
 			continue
 		}
 		limit := int(min(free, int64(cfg.BatchSize)))
-		at := cfg.Now()
+		now := cfg.Now()
+		dueBy := now
 		if once {
-			at = cutoff
+			dueBy = cutoff
 		}
 		// The claim outlives the stop signal: cancelled mid-statement it
 		// could commit leases this process would never hear of, leaving
 		// rows held until their lease expires.
 		claimCtx, cancel := context.WithTimeout(context.WithoutCancel(s.stop), 30*time.Second)
-		rows, err := p.store.Claim(claimCtx, at, limit, cfg.Lease)
+		rows, err := p.store.ClaimAt(claimCtx, dueBy, now, limit, cfg.Lease)
 		cancel()
 		if err != nil {
 			if s.stop.Err() != nil {
@@ -430,6 +540,14 @@ func (s *session) process(c Claimed) Outcome {
 	cfg := p.cfg
 	now := cfg.Now()
 	b, ok := cfg.Registry.Lookup(c.Operation, c.Dependency)
+	if lo, late := lateSucceeded(c); late {
+		// The agent saw the API's 2xx after the orphan sweep moved the
+		// receipt: the proof is in, no adapter call needed.
+		if !ok {
+			b = nil
+		}
+		return p.dec.late(now, c, b, lo)
+	}
 	if !ok {
 		return p.dec.manual(now, c, nil, ReasonNoAdapter)
 	}
@@ -464,6 +582,10 @@ func (s *session) process(c Claimed) Outcome {
 		return p.dec.release(c, now)
 	}
 	ctx, cancel := context.WithTimeout(s.work, cfg.CheckTimeout)
+	// Absence is judged at the moment the read began (SPEC §5a): the
+	// database's time just before the adapter's first request, never the
+	// time its answer arrives.
+	readAt := cfg.Now()
 	start := time.Now()
 	res, cerr := safeCheck(ctx, b.Adapter, c.Receipt)
 	latency := time.Since(start)
@@ -483,7 +605,13 @@ func (s *session) process(c Claimed) Outcome {
 		}
 	}
 	pass.Exit(result, retryAfter)
-	out := p.dec.decide(cfg.Now(), c, b, res, cerr, latency)
+	answeredAt := cfg.Now()
+	out := p.dec.decide(readAt, answeredAt, c, b, res, cerr, latency, controlAssumed)
+	if NeedsControl(out) {
+		// The answer would settle on an absence: only if the adapter's
+		// positive control has passed recently.
+		out = p.dec.decide(readAt, answeredAt, c, b, res, cerr, latency, s.control(b))
+	}
 	if p.m != nil {
 		outcome := string(res.Verdict)
 		if cerr != nil {
@@ -587,13 +715,20 @@ func (s *session) flush(batch []Outcome) {
 	var applied []int64
 	// A failed write (a failover, a dropped connection) is retried twice
 	// with a short jittered backoff; the rows stay leased meanwhile.
+	// A retry may follow a first attempt that committed without our
+	// hearing of it, so it is the idempotent CompleteAgain.
 	retry := backoff.NewExponentialBackOff()
 	retry.InitialInterval = 200 * time.Millisecond
+	attempt := 0
 	err := backoff.RetryNotify(func() error {
 		ctx, cancel := context.WithTimeout(context.WithoutCancel(s.stop), 30*time.Second)
 		defer cancel()
 		var err error
-		applied, err = p.store.Complete(ctx, batch)
+		if attempt++; attempt == 1 {
+			applied, err = p.store.Complete(ctx, batch)
+		} else {
+			applied, err = p.store.CompleteAgain(ctx, batch)
+		}
 		return err
 	}, backoff.WithMaxRetries(retry, 2), func(err error, _ time.Duration) { s.dbError("complete", err) })
 	if err != nil {

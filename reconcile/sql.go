@@ -7,8 +7,11 @@ package reconcile
 // walks receipts_stale.
 //
 // Time comparisons take the reconciler's clock as a parameter instead of
-// now(), so tests drive them with an injected clock; the trigger still
-// stamps updated_at/submitted_at with the database's clock.
+// now(), so tests drive them with an injected clock. In production that
+// clock is the database's own (internal/dbclock: clock_timestamp() plus the
+// monotonic time since it was read, a lower bound), the clock the triggers
+// stamp submitted_at, unknown_since and updated_at with (SPEC §5a, "one
+// clock"); the host's wall clock is never compared with a stored time.
 
 // sqlClaim leases up to $2 due rows in one statement: outcome_unknown rows,
 // and reconciling rows whose wait or lease is over. A claimed row's
@@ -20,7 +23,14 @@ package reconcile
 // on the primary key: with a join the planner hashes the whole table once
 // the table is large enough to mis-estimate.
 //
-// $1 now, $2 limit, $3 actor, $4 claim detail, $5 lease token, $6 lease expiry.
+// The claim also returns the send deadline (submitted_at + max_send_delay),
+// unknown_since (the bounds of the checks run from it), and the late
+// outcomes the agent recorded for the row (reconciler.late_outcomes, one
+// index probe per claimed row inside this statement: no extra round trip).
+//
+// $1 due-by cut-off, $2 limit, $3 actor, $4 claim detail, $5 lease token,
+// $6 lease expiry (the claim's time plus the lease: a row claimed late in a
+// long drain still gets a full lease).
 const sqlClaim = `
 WITH due AS (
     SELECT id FROM reconciler.receipts
@@ -41,7 +51,14 @@ SET state = 'reconciling',
 WHERE r.id = ANY (ARRAY(SELECT id FROM due))
 RETURNING r.id, r.idempotency_key, r.operation, r.dependency, r.method, r.target, r.fingerprint,
           r.intent, r.pre_image, coalesce(r.external_id, ''), r.attempt, r.created_at,
-          coalesce(r.submitted_at, r.created_at), r.check_count, r.last_check_transient`
+          coalesce(r.submitted_at, r.created_at),
+          coalesce(r.submitted_at, r.created_at) + r.max_send_delay,
+          coalesce(r.unknown_since, r.submitted_at, r.created_at),
+          r.check_count, r.last_check_transient,
+          (SELECT jsonb_agg(jsonb_build_object('at', l.at, 'actor', l.actor, 'outcome', l.outcome,
+                                               'http_status', l.http_status, 'external_id', l.external_id,
+                                               'detail', l.detail) ORDER BY l.at)
+           FROM reconciler.late_outcomes l WHERE l.receipt_id = r.id)`
 
 // sqlComplete applies a batch of outcomes in one statement: settlements
 // (to_state succeeded/safe_to_retry/manual_review, whose history events the
@@ -56,13 +73,20 @@ RETURNING r.id, r.idempotency_key, r.operation, r.dependency, r.method, r.target
 // "id = ANY($1)" besides the join pins the update to primary-key lookups
 // whatever the planner guesses for unnest's row count.
 //
+// A retry of a batch whose first attempt may have committed (the error
+// came after the COMMIT was sent: $28 true) is idempotent: a check record
+// is inserted only if the same check (receipt, check_no, at, instance: its
+// token) is not recorded yet, and a row whose lease is gone but which holds
+// exactly the outcome this batch wrote (same next check for a release, same
+// state, actor and detail for a settlement) is returned as applied.
+//
 // Outcomes: $1 ids, $2 lease tokens, $3 to_state, $4 detail, $5 external
 // id, $6 next_check_at, $7 checks to add. $8 actor.
 // Checks: $9 receipt id, $10 check_no, $11 at, $12 adapter, $13 dependency,
 // $14 verdict, $15 authoritative, $16 matches, $17 latency_us,
 // $18 error_class, $19 error, $20 evidence. $21 instance.
 // Alarms: $22 receipt id, $23 at, $24 adapter, $25 dependency, $26 ids (jsonb array).
-// $27: per outcome, whether its check failed transiently.
+// $27: per outcome, whether its check failed transiently. $28: retry.
 const sqlComplete = `
 WITH u AS (
     SELECT * FROM unnest($1::bigint[], $2::text[], $3::text[], $4::jsonb[], $5::text[],
@@ -82,6 +106,11 @@ WITH u AS (
     FROM u
     WHERE r.id = ANY ($1::bigint[]) AND r.id = u.id
       AND r.state = 'reconciling' AND r.lease_owner = u.lease
+      -- An agent that recorded a late 2xx since the claim wins: the row
+      -- stays leased and its next claim settles it succeeded (the trigger
+      -- would refuse safe_to_retry and fail the whole batch).
+      AND (u.to_state <> 'safe_to_retry' OR NOT EXISTS (
+          SELECT FROM reconciler.late_outcomes l WHERE l.receipt_id = r.id AND l.outcome = 'succeeded'))
     RETURNING r.id
 ), c AS (
     INSERT INTO reconciler.readback_checks
@@ -89,7 +118,13 @@ WITH u AS (
          latency_us, error_class, error, evidence, instance)
     SELECT x.*, $21 FROM unnest($9::bigint[], $10::int[], $11::timestamptz[], $12::text[],
                                 $13::text[], $14::text[], $15::bool[], $16::int[], $17::bigint[],
-                                $18::text[], $19::text[], $20::jsonb[]) AS x
+                                $18::text[], $19::text[], $20::jsonb[])
+        AS x(receipt_id, check_no, at, adapter, dependency, verdict, authoritative, matches,
+             latency_us, error_class, error, evidence)
+    WHERE NOT $28::bool OR NOT EXISTS (
+        SELECT 1 FROM reconciler.readback_checks k
+        WHERE k.receipt_id = x.receipt_id AND k.check_no = x.check_no AND k.at = x.at
+          AND k.instance = $21)
 ), d AS (
     INSERT INTO reconciler.duplicate_alarms
         (receipt_id, detected_at, adapter, dependency, external_ids, instance)
@@ -99,11 +134,19 @@ WITH u AS (
         AS a(id, at, adapter, dependency, ids)
     WHERE a.id IN (SELECT id FROM s)
 )
-SELECT id FROM s`
+SELECT id FROM s
+UNION ALL
+SELECT r.id FROM reconciler.receipts r JOIN u ON u.id = r.id
+WHERE $28::bool AND r.id = ANY ($1::bigint[]) AND r.id NOT IN (SELECT id FROM s)
+  AND r.lease_owner IS DISTINCT FROM u.lease
+  AND CASE WHEN u.to_state = 'reconciling'
+           THEN r.state = 'reconciling' AND r.next_check_at = u.next_check_at
+           ELSE r.state = u.to_state AND r.state_actor = $8 AND r.state_detail = u.detail END`
 
 // sqlSweepOrphans moves submitted receipts with no transition since $3 to
 // outcome_unknown, at most $4 per statement (the orphan sweep of SPEC §3).
-// $1 actor, $2 detail.
+// $1 actor, $2 detail. It runs under SET LOCAL statement_timeout and
+// lock_timeout (sqlSweepLimits) so a hung lock cannot stop the claim loop.
 const sqlSweepOrphans = `
 UPDATE reconciler.receipts r
 SET state = 'outcome_unknown', state_actor = $1, state_detail = $2::jsonb
@@ -116,6 +159,30 @@ FROM (
 ) o
 WHERE r.id = o.id AND r.state = 'submitted'
 RETURNING r.id, r.dependency`
+
+// sqlSweepLimits bounds the orphan sweep's transaction: $1 statement
+// timeout, $2 lock timeout (milliseconds, as text).
+const sqlSweepLimits = `SELECT set_config('statement_timeout', $1, true), set_config('lock_timeout', $2, true)`
+
+// sqlControlReceipt finds the positive control a binding's absences need
+// when the adapters file declares none (SPEC §5a): the latest receipt of
+// the binding's dependency ($1) and operations ($2; empty: any) that
+// settled succeeded from the API's own 2xx response (the agent's settle
+// records evidence {"source": "http_response"}). It walks the primary key
+// backwards over at most $3 of the newest receipts, so its cost is bounded
+// whatever the table's size, and needs no index of its own (an index every
+// receipt move would pay for, for a query run every few minutes).
+const sqlControlReceipt = `
+SELECT r.id, r.idempotency_key, r.operation, r.dependency, r.method, r.target, r.fingerprint,
+       r.intent, r.pre_image, coalesce(r.external_id, ''), r.attempt, r.created_at,
+       coalesce(r.submitted_at, r.created_at),
+       coalesce(r.submitted_at, r.created_at) + r.max_send_delay,
+       coalesce(r.unknown_since, r.submitted_at, r.created_at)
+FROM (SELECT * FROM reconciler.receipts ORDER BY id DESC LIMIT $3) r
+WHERE r.dependency = $1 AND (cardinality($2::text[]) = 0 OR r.operation = ANY ($2::text[]))
+  AND r.state = 'succeeded' AND r.state_detail -> 'evidence' ->> 'source' = 'http_response'
+ORDER BY r.id DESC
+LIMIT 1`
 
 // sqlBacklogDue counts the rows awaiting settlement from the partial index
 // receipts_due, and the age of the oldest (from submission). $1 now.

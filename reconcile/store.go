@@ -58,26 +58,44 @@ type Claimed struct {
 	// Retry is set when the row's previous check failed transiently, so
 	// this check is a retry (limited by the dependency's retry budget).
 	Retry bool
+	// LateOutcomes are the outcomes the receipt's agent recorded after the
+	// orphan sweep had moved it (oldest first).
+	LateOutcomes []LateOutcome
 }
 
-// Claim leases up to limit due rows for lease, as of now, in one statement.
+// Claim leases up to limit rows due as of now, for lease from now, in one
+// statement.
 func (s *Store) Claim(ctx context.Context, now time.Time, limit int, lease time.Duration) ([]Claimed, error) {
+	return s.ClaimAt(ctx, now, now, limit, lease)
+}
+
+// ClaimAt leases up to limit rows due by dueBy, each for lease from now
+// (the time of the claim, on the database's clock), in one statement. A
+// drain keeps dueBy at its start, so it ends, while every row it claims
+// late still gets a full lease.
+func (s *Store) ClaimAt(ctx context.Context, dueBy, now time.Time, limit int, lease time.Duration) ([]Claimed, error) {
 	if limit <= 0 {
 		return nil, nil
 	}
 	token := s.instance + "/" + s.nonce + "/" + strconv.FormatUint(s.seq.Add(1), 10)
 	expires := now.Add(lease)
 	detail, _ := json.Marshal(map[string]any{"reason": "claimed", "extra": map[string]any{"instance": s.instance}})
-	rows, err := s.pool.Query(ctx, sqlClaim, pgx.QueryExecModeCacheDescribe, now, limit, string(s.actor), detail, token, expires)
+	rows, err := s.pool.Query(ctx, sqlClaim, pgx.QueryExecModeCacheDescribe, dueBy, limit, string(s.actor), detail, token, expires)
 	if err != nil {
 		return nil, fmt.Errorf("reconcile: claim: %w", err)
 	}
 	out, err := pgx.CollectRows(rows, func(row pgx.CollectableRow) (Claimed, error) {
 		c := Claimed{Lease: token, LeaseExpires: expires}
 		r := &c.Receipt
+		var late []byte
 		err := row.Scan(&r.ID, &r.IdempotencyKey, &r.Operation, &r.Dependency, &r.Method, &r.Target,
 			&r.Fingerprint, &r.Intent, &r.PreImage, &r.ExternalID, &r.Attempt, &r.CreatedAt,
-			&r.SubmittedAt, &r.Checks, &c.Retry)
+			&r.SubmittedAt, &r.SendDeadline, &r.UnknownSince, &r.Checks, &c.Retry, &late)
+		if err == nil && late != nil {
+			if jerr := json.Unmarshal(late, &c.LateOutcomes); jerr != nil {
+				err = fmt.Errorf("late outcomes of receipt %d: %w", r.ID, jerr)
+			}
+		}
 		return c, err
 	})
 	if err != nil {
@@ -143,6 +161,19 @@ type CheckRecord struct {
 // lease still held (the others were reclaimed after their lease expired and
 // are left to their new holder).
 func (s *Store) Complete(ctx context.Context, outcomes []Outcome) (applied []int64, err error) {
+	return s.complete(ctx, outcomes, false)
+}
+
+// CompleteAgain repeats a Complete of the same outcomes that failed in a
+// way that leaves its commit unknown (the connection broke after COMMIT was
+// sent). It is idempotent: a check already recorded is not recorded again,
+// and a row that already holds the outcome (the first attempt committed) is
+// returned as applied.
+func (s *Store) CompleteAgain(ctx context.Context, outcomes []Outcome) (applied []int64, err error) {
+	return s.complete(ctx, outcomes, true)
+}
+
+func (s *Store) complete(ctx context.Context, outcomes []Outcome, retry bool) (applied []int64, err error) {
 	if len(outcomes) == 0 {
 		return nil, nil
 	}
@@ -222,7 +253,7 @@ func (s *Store) Complete(ctx context.Context, outcomes []Outcome) (applied []int
 		rows, err := tx.Query(ctx, sqlComplete, pgx.QueryExecModeCacheDescribe,
 			ids, leases, tos, details, extIDs, nexts, addCheck, string(s.actor),
 			cID, cNo, cAt, cAdapter, cDep, cVerdict, cAuth, cMatches, cLatency, cClass, cErr, cEv, s.instance,
-			aID, aAt, aAdapter, aDep, aIDs, trans)
+			aID, aAt, aAdapter, aDep, aIDs, trans, retry)
 		if err != nil {
 			return err
 		}
@@ -248,28 +279,50 @@ type Orphan struct {
 	Dependency string
 }
 
+// DefaultSweepLimit bounds one orphan-sweep statement when the caller sets
+// no limit of its own.
+const DefaultSweepLimit = 10 * time.Second
+
 // SweepOrphans moves submitted receipts with no transition for longer than
 // timeout (as of now) to outcome_unknown, in statements of at most batch
-// rows, and returns them.
-func (s *Store) SweepOrphans(ctx context.Context, now time.Time, timeout time.Duration, batch int) ([]Orphan, error) {
+// rows, and returns them. Each statement is bounded by limit (zero:
+// DefaultSweepLimit): a context deadline, and statement_timeout and
+// lock_timeout on the server, so a lock held elsewhere or a hung connection
+// fails the sweep instead of stalling the caller's claim loop.
+func (s *Store) SweepOrphans(ctx context.Context, now time.Time, timeout time.Duration, batch int, limit time.Duration) ([]Orphan, error) {
 	if timeout <= 0 {
 		return nil, nil
+	}
+	bound := DefaultSweepLimit
+	if limit > 0 {
+		bound = limit
 	}
 	detail, _ := json.Marshal(map[string]any{
 		"reason": "orphaned",
 		"extra":  map[string]any{"timeout": timeout.String(), "instance": s.instance},
 	})
+	stmtMS := strconv.FormatInt(max(bound.Milliseconds(), 1), 10)
+	lockMS := strconv.FormatInt(max(bound.Milliseconds()/2, 1), 10)
 	var all []Orphan
 	for {
-		rows, err := s.pool.Query(ctx, sqlSweepOrphans, string(s.actor), detail, now.Add(-timeout), batch)
-		if err != nil {
-			return all, fmt.Errorf("reconcile: orphan sweep: %w", err)
-		}
-		got, err := pgx.CollectRows(rows, func(row pgx.CollectableRow) (Orphan, error) {
-			var o Orphan
-			err := row.Scan(&o.ID, &o.Dependency)
-			return o, err
+		var got []Orphan
+		sctx, cancel := context.WithTimeout(ctx, bound+time.Second)
+		err := pgx.BeginFunc(sctx, s.pool, func(tx pgx.Tx) error {
+			if _, err := tx.Exec(sctx, sqlSweepLimits, stmtMS, lockMS); err != nil {
+				return err
+			}
+			rows, err := tx.Query(sctx, sqlSweepOrphans, string(s.actor), detail, now.Add(-timeout), batch)
+			if err != nil {
+				return err
+			}
+			got, err = pgx.CollectRows(rows, func(row pgx.CollectableRow) (Orphan, error) {
+				var o Orphan
+				err := row.Scan(&o.ID, &o.Dependency)
+				return o, err
+			})
+			return err
 		})
+		cancel()
 		if err != nil {
 			return all, fmt.Errorf("reconcile: orphan sweep: %w", err)
 		}
@@ -324,4 +377,38 @@ func (s *Store) Backlog(ctx context.Context, now time.Time, stalePlanned, orphan
 		return b, fmt.Errorf("reconcile: backlog: %w", err)
 	}
 	return b, nil
+}
+
+// ControlScan is how many of the newest receipts ControlReceipt examines
+// by default.
+const ControlScan = 10000
+
+// ControlReceipt returns the latest receipt, among the scan newest (default
+// ControlScan), of b's dependency and operations (any operation of the
+// dependency when b names none) that settled succeeded from the API's own
+// 2xx response: an effect known to exist, for b's positive control. ok is
+// false when there is none.
+func (s *Store) ControlReceipt(ctx context.Context, b *readback.Binding, scan int) (r readback.Receipt, ok bool, err error) {
+	return controlReceipt(ctx, s.pool, b, scan)
+}
+
+func controlReceipt(ctx context.Context, db *pgxpool.Pool, b *readback.Binding, scan int) (r readback.Receipt, ok bool, err error) {
+	if scan <= 0 {
+		scan = ControlScan
+	}
+	ops := b.Operations
+	if ops == nil {
+		ops = []string{}
+	}
+	err = db.QueryRow(ctx, sqlControlReceipt, b.Dependency, ops, scan).Scan(
+		&r.ID, &r.IdempotencyKey, &r.Operation, &r.Dependency, &r.Method, &r.Target,
+		&r.Fingerprint, &r.Intent, &r.PreImage, &r.ExternalID, &r.Attempt, &r.CreatedAt,
+		&r.SubmittedAt, &r.SendDeadline, &r.UnknownSince)
+	if errors.Is(err, pgx.ErrNoRows) {
+		return readback.Receipt{}, false, nil
+	}
+	if err != nil {
+		return readback.Receipt{}, false, fmt.Errorf("reconcile: find a control receipt for adapter %s: %w", b.Name, err)
+	}
+	return r, true, nil
 }

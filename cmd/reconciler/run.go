@@ -2,6 +2,7 @@ package main
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
@@ -22,6 +23,7 @@ import (
 	"github.com/urfave/cli/v2"
 	"golang.org/x/time/rate"
 
+	"github.com/receiptledger/reconciler/internal/dbclock"
 	"github.com/receiptledger/reconciler/internal/protect"
 	"github.com/receiptledger/reconciler/migrations"
 	"github.com/receiptledger/reconciler/readback"
@@ -132,11 +134,23 @@ func runAction(c *cli.Context) error {
 		return cli.Exit("run: the database schema is not current: run `reconciler migrate up` first", 1)
 	}
 
+	// One clock (SPEC §5a): every comparison with a stored time, in the
+	// pool and in the breaker, uses the database's clock, read here and
+	// re-read by the pool every poll interval.
+	clock := dbclock.New(db)
+	if smp, err := clock.Sync(ctx); err != nil {
+		return cli.Exit(fmt.Sprintf("run: database: %v", err), 1)
+	} else if smp.Skew > time.Second || smp.Skew < -time.Second {
+		logger.Warn("this host's clock differs from the database's by more than a second; "+
+			"the reconciler uses the database's clock", "skew_s", smp.Skew.Seconds())
+	}
+
 	promReg := prometheus.NewRegistry()
 	promReg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	metrics := reconcile.NewMetrics(promReg)
 	cfg := reconcile.Config{
 		Instance:          instance,
+		Clock:             clock,
 		Registry:          reg,
 		Logger:            base,
 		Metrics:           metrics,
@@ -157,7 +171,7 @@ func runAction(c *cli.Context) error {
 		}
 		return cli.Exit(fmt.Sprintf("run: %v", err), 2) // the flags
 	}
-	guard, err := protect.New(protect.NewPGStore(db), pcfg, nil, logger)
+	guard, err := protect.New(protect.NewPGStore(db), pcfg, clock, logger)
 	if err != nil {
 		return cli.Exit(fmt.Sprintf("run: %v", err), 2)
 	}
@@ -168,7 +182,7 @@ func runAction(c *cli.Context) error {
 	}
 
 	if addr := c.String("metrics-addr"); addr != "" {
-		srv, err := serveHTTP(addr, db, promReg, logger)
+		srv, err := serveHTTP(addr, db, promReg, logger, pool.AdapterHealth)
 		if err != nil {
 			return cli.Exit(fmt.Sprintf("run: --metrics-addr: %v", err), 1)
 		}
@@ -387,9 +401,21 @@ func printSummary(w io.Writer, s reconcile.Summary) {
 	fmt.Fprintf(w, "database_errors=%d\n", s.DBErrors)
 }
 
+// readiness is the body of /readyz: "ready" with the adapters whose
+// positive control has not passed (their absences settle nothing, so their
+// receipts wait), and why. Unhealthy adapters do not make the process
+// unready: it still settles what it can prove.
+type readiness struct {
+	Status string `json:"status"`
+	// UnhealthyAdapters lists the adapters whose control is failing, has
+	// not run yet, or has none to run.
+	UnhealthyAdapters []reconcile.AdapterHealth `json:"unhealthy_adapters"`
+}
+
 // serveHTTP serves /metrics, /healthz (the process is alive) and /readyz
-// (the database answers and its schema is current).
-func serveHTTP(addr string, db *pgxpool.Pool, reg *prometheus.Registry, logger *slog.Logger) (*http.Server, error) {
+// (the database answers and its schema is current; the body lists the
+// adapters whose positive control has not passed, from health).
+func serveHTTP(addr string, db *pgxpool.Pool, reg *prometheus.Registry, logger *slog.Logger, health func() []reconcile.AdapterHealth) (*http.Server, error) {
 	mux := http.NewServeMux()
 	mux.Handle("GET /metrics", promhttp.HandlerFor(reg, promhttp.HandlerOpts{}))
 	mux.HandleFunc("GET /healthz", func(w http.ResponseWriter, _ *http.Request) {
@@ -407,7 +433,16 @@ func serveHTTP(addr string, db *pgxpool.Pool, reg *prometheus.Registry, logger *
 			http.Error(w, "database schema not current", http.StatusServiceUnavailable)
 			return
 		}
-		fmt.Fprintln(w, "ready")
+		body := readiness{Status: "ready", UnhealthyAdapters: []reconcile.AdapterHealth{}}
+		if health != nil {
+			for _, h := range health() {
+				if !h.OK {
+					body.UnhealthyAdapters = append(body.UnhealthyAdapters, h)
+				}
+			}
+		}
+		w.Header().Set("Content-Type", "application/json")
+		_ = json.NewEncoder(w).Encode(body)
 	})
 	l, err := net.Listen("tcp", addr)
 	if err != nil {

@@ -245,6 +245,11 @@ func New(store Store, cfg Config, clock Clock, logger *slog.Logger) (*Guard, err
 	if clock == nil {
 		clock = SystemClock{}
 	}
+	if b, ok := store.(interface{ withClock(Clock) Store }); ok {
+		// The shared row goes through the database's clock, converted
+		// with this Guard's (see PGStore).
+		store = b.withClock(clock)
+	}
 	if logger == nil {
 		logger = slog.New(slog.DiscardHandler)
 	}

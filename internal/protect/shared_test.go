@@ -31,7 +31,17 @@ func twoGuards(t *testing.T, storeA, storeB Store, clock Clock) (a, b *Guard) {
 // testSharedOpen is the scenario of SPEC §5 "state shared between instances":
 // A's breaker opens; B, which never saw a failure, defers until A's
 // open_until once its cached copy is refreshed, then probes once.
-func testSharedOpen(t *testing.T, storeA, storeB Store, clock *fakeClock) {
+//
+// tol is how far B's view of open_until may differ from A's: zero for a
+// MemStore; for Postgres the row crosses the database's clock (stored as a
+// duration from clock_timestamp(), read back as the time left), and the
+// fake clock's steps are not the database's (B reads SharedRefresh later on
+// the fake clock, a few milliseconds later on the database's).
+//
+// elapse, if set, is told when the test advances the fake clock past the
+// cool-down, so a database-backed store can let the same time pass on the
+// database's clock.
+func testSharedOpen(t *testing.T, storeA, storeB Store, clock *fakeClock, tol time.Duration, elapse func(time.Duration)) {
 	a, b := twoGuards(t, storeA, storeB, clock)
 	ctx := context.Background()
 	acquire := func(g *Guard) (*Permit, *Deferral) {
@@ -73,7 +83,7 @@ func testSharedOpen(t *testing.T, storeA, storeB Store, clock *fakeClock) {
 
 	clock.Advance(time.Millisecond)
 	_, d := acquire(b)
-	if d == nil || d.Reason != ReasonBreakerOpen || !d.Until.Equal(openUntil) {
+	if d == nil || d.Reason != ReasonBreakerOpen || d.Until.After(openUntil.Add(tol)) || d.Until.Before(openUntil.Add(-tol)) {
 		t.Fatalf("B after refresh: %v, want breaker_open until %v", d, openUntil)
 	}
 	if !strings.Contains(d.Detail, "instance-a") || !strings.Contains(d.Detail, "consecutive transient failures") {
@@ -85,6 +95,9 @@ func testSharedOpen(t *testing.T, storeA, storeB Store, clock *fakeClock) {
 
 	// After open_until each instance probes once; B's probe closes B.
 	clock.Advance(a.cfg.Default.Breaker.Cooldown)
+	if elapse != nil {
+		elapse(a.cfg.Default.Breaker.Cooldown)
+	}
 	pb, d := acquire(b)
 	if d != nil || !pb.Probe() {
 		t.Fatalf("B after open_until: permit %v, deferral %v; want the probe", pb, d)
@@ -105,26 +118,35 @@ func testSharedOpen(t *testing.T, storeA, storeB Store, clock *fakeClock) {
 
 func TestSharedOpenMemStore(t *testing.T) {
 	store := NewMemStore()
-	testSharedOpen(t, store, store, newFakeClock())
+	testSharedOpen(t, store, store, newFakeClock(), 0, nil)
 }
 
 func TestSharedOpenPostgres(t *testing.T) {
 	// Two instances, each with its own pool, on one database.
 	url := pgtest.NewDatabase(t)
 	poolA, poolB := pgtest.Pool(t, url), pgtest.Pool(t, url)
-	testSharedOpen(t, NewPGStore(poolA), NewPGStore(poolB), newFakeClock())
+	elapse := func(d time.Duration) {
+		// The database's clock does not follow the fake one: move the row
+		// back instead, as if d had passed.
+		if _, err := poolA.Exec(context.Background(), `UPDATE reconciler.dependency_breakers
+			SET open_until = open_until - $1::bigint * interval '1 microsecond'`, d.Microseconds()); err != nil {
+			t.Fatal(err)
+		}
+	}
+	testSharedOpen(t, NewPGStore(poolA), NewPGStore(poolB), newFakeClock(), 5*time.Second, elapse)
 
 	var by, reason string
-	var until time.Time
+	var left time.Duration
 	err := poolB.QueryRow(context.Background(),
-		`SELECT open_until, opened_by, reason FROM reconciler.dependency_breakers WHERE dependency = 'api'`).
-		Scan(&until, &by, &reason)
+		`SELECT open_until - clock_timestamp(), opened_by, reason FROM reconciler.dependency_breakers WHERE dependency = 'api'`).
+		Scan(&left, &by, &reason)
 	if err != nil {
 		t.Fatal(err)
 	}
-	// A opened at t0 for the 30s cool-down.
-	if by != "instance-a" || reason != "5 consecutive transient failures" || !until.Equal(t0.Add(30*time.Second)) {
-		t.Fatalf("row: %v %q %q", until, by, reason)
+	// A opened for the 30s cool-down, on the database's clock (A's fake
+	// clock, in 2026, is not the database's), which elapse moved back by 30s.
+	if by != "instance-a" || reason != "5 consecutive transient failures" || left > 0 || left < -10*time.Second {
+		t.Fatalf("row: %v left, %q %q", left, by, reason)
 	}
 }
 
@@ -256,5 +278,55 @@ func TestPGStoreKeepsTheLaterOpening(t *testing.T) {
 	// The schema refuses an empty dependency name.
 	if _, err := s.Open(ctx, "", t0, "x", "y"); err == nil {
 		t.Fatal("empty dependency accepted")
+	}
+}
+
+// Issue 7, suspicion "one instance with a skewed clock holds every
+// instance's shared breaker open": instance A's clock runs 5 minutes ahead of
+// B's (and of the database's). A's breaker opens for its 30 s cool-down; B
+// must see the dependency open for those 30 s, not for 5 min 30 s. Before,
+// open_until was written from A's clock and compared with B's.
+func TestSkewedInstanceOpensTheSharedBreakerForItsCooldownOnly(t *testing.T) {
+	url := pgtest.NewDatabase(t)
+	ctx := context.Background()
+	for _, skew := range []time.Duration{5 * time.Minute, -5 * time.Minute} {
+		t.Run(skew.String(), func(t *testing.T) {
+			clockB := newFakeClock()
+			clockA := &fakeClock{t: clockB.Now().Add(skew)}
+			mk := func(name string, clock Clock) *Guard {
+				cfg := testConfig()
+				cfg.Instance = name
+				g, err := New(NewPGStore(pgtest.Pool(t, url)), cfg, clock, slog.New(&logRecorder{}))
+				if err != nil {
+					t.Fatal(err)
+				}
+				return g
+			}
+			dep := "api" + skew.String()
+			a, b := mk("skewed-a", clockA), mk("b", clockB)
+			for range a.cfg.Default.Breaker.FailureThreshold {
+				p, err := a.Acquire(ctx, dep, First)
+				if err != nil {
+					t.Fatal(err)
+				}
+				p.Done(Transient, 0)
+			}
+			if s := a.Status(dep); s.Breaker != Open {
+				t.Fatalf("A: %+v", s)
+			}
+			cool := a.cfg.Default.Breaker.Cooldown
+			_, err := b.Acquire(ctx, dep, First)
+			var d *Deferral
+			if !errors.As(err, &d) || d.Reason != ReasonBreakerOpen {
+				t.Fatalf("B: %v, want a breaker_open deferral", err)
+			}
+			if left := d.Until.Sub(clockB.Now()); left > cool || left < cool-5*time.Second {
+				t.Fatalf("B deferred for %v, want A's cool-down %v (A's clock is %v off)", left, cool, skew)
+			}
+			// A, on its own clock, sees the same cool-down.
+			if s := a.Status(dep); s.OpenUntil.Sub(clockA.Now()) != cool {
+				t.Fatalf("A open until %v from its now, want %v", s.OpenUntil.Sub(clockA.Now()), cool)
+			}
+		})
 	}
 }

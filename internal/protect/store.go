@@ -33,12 +33,29 @@ type Store interface {
 
 // PGStore is the Postgres Store, over reconciler.dependency_breakers
 // (migration 00003).
+//
+// Used directly, it stores and returns the times it is given. A Guard binds
+// it to the Guard's clock (see New): then open_until is kept on the
+// database's clock (SPEC §5a, "one clock"): Open stores clock_timestamp() +
+// (until − now), Load returns now + (open_until − clock_timestamp()), with
+// now read from the Guard's clock. No instance's clock is then ever
+// compared with a time another instance's clock produced, so an instance
+// whose clock is minutes off neither holds every instance's breaker open
+// nor ignores their openings.
 type PGStore struct {
-	pool *pgxpool.Pool
+	pool  *pgxpool.Pool
+	clock Clock // nil: times as given
 }
 
 // NewPGStore returns a Store over pool.
 func NewPGStore(pool *pgxpool.Pool) *PGStore { return &PGStore{pool: pool} }
+
+// withClock returns a copy of s that converts through clock (see PGStore).
+func (s *PGStore) withClock(clock Clock) Store {
+	c := *s
+	c.clock = clock
+	return &c
+}
 
 const (
 	sqlLoad = `SELECT open_until, opened_by, reason
@@ -49,19 +66,44 @@ FROM reconciler.dependency_breakers WHERE dependency = $1`
 	// neither can shorten the other's.
 	sqlOpen = `INSERT INTO reconciler.dependency_breakers AS b
     (dependency, open_until, opened_by, reason, updated_at)
-VALUES ($1, $2, $3, $4, now())
+VALUES ($1, $2, $3, $4, clock_timestamp())
 ON CONFLICT (dependency) DO UPDATE SET
     opened_by  = CASE WHEN excluded.open_until > b.open_until THEN excluded.opened_by ELSE b.opened_by END,
     reason     = CASE WHEN excluded.open_until > b.open_until THEN excluded.reason ELSE b.reason END,
     open_until = GREATEST(b.open_until, excluded.open_until),
-    updated_at = now()
+    updated_at = clock_timestamp()
 RETURNING open_until, opened_by, reason`
+
+	// The same on the database's clock: $2 and the first column returned
+	// are the time left, in microseconds, from clock_timestamp().
+	sqlLoadLeft = `SELECT (extract(epoch FROM open_until - clock_timestamp()) * 1e6)::bigint, opened_by, reason
+FROM reconciler.dependency_breakers WHERE dependency = $1`
+
+	sqlOpenLeft = `INSERT INTO reconciler.dependency_breakers AS b
+    (dependency, open_until, opened_by, reason, updated_at)
+VALUES ($1, clock_timestamp() + $2::bigint * interval '1 microsecond', $3, $4, clock_timestamp())
+ON CONFLICT (dependency) DO UPDATE SET
+    opened_by  = CASE WHEN excluded.open_until > b.open_until THEN excluded.opened_by ELSE b.opened_by END,
+    reason     = CASE WHEN excluded.open_until > b.open_until THEN excluded.reason ELSE b.reason END,
+    open_until = GREATEST(b.open_until, excluded.open_until),
+    updated_at = clock_timestamp()
+RETURNING (extract(epoch FROM open_until - clock_timestamp()) * 1e6)::bigint, opened_by, reason`
 )
+
+func left(now time.Time, us int64) time.Time { return now.Add(time.Duration(us) * time.Microsecond) }
 
 // Load implements Store.
 func (s *PGStore) Load(ctx context.Context, dep string) (SharedOpen, error) {
 	var o SharedOpen
-	err := s.pool.QueryRow(ctx, sqlLoad, dep).Scan(&o.Until, &o.By, &o.Reason)
+	var err error
+	if s.clock != nil {
+		now := s.clock.Now()
+		var us int64
+		err = s.pool.QueryRow(ctx, sqlLoadLeft, dep).Scan(&us, &o.By, &o.Reason)
+		o.Until = left(now, us)
+	} else {
+		err = s.pool.QueryRow(ctx, sqlLoad, dep).Scan(&o.Until, &o.By, &o.Reason)
+	}
 	if errors.Is(err, pgx.ErrNoRows) {
 		return SharedOpen{}, nil
 	}
@@ -74,7 +116,15 @@ func (s *PGStore) Load(ctx context.Context, dep string) (SharedOpen, error) {
 // Open implements Store.
 func (s *PGStore) Open(ctx context.Context, dep string, until time.Time, by, reason string) (SharedOpen, error) {
 	var o SharedOpen
-	err := s.pool.QueryRow(ctx, sqlOpen, dep, until, by, reason).Scan(&o.Until, &o.By, &o.Reason)
+	var err error
+	if s.clock != nil {
+		now := s.clock.Now()
+		var us int64
+		err = s.pool.QueryRow(ctx, sqlOpenLeft, dep, until.Sub(now).Microseconds(), by, reason).Scan(&us, &o.By, &o.Reason)
+		o.Until = left(now, us)
+	} else {
+		err = s.pool.QueryRow(ctx, sqlOpen, dep, until, by, reason).Scan(&o.Until, &o.By, &o.Reason)
+	}
 	if err != nil {
 		return SharedOpen{}, fmt.Errorf("protect: open breaker of %s: %w", dep, err)
 	}
@@ -82,7 +132,8 @@ func (s *PGStore) Open(ctx context.Context, dep string, until time.Time, by, rea
 }
 
 // MemStore is an in-memory Store: for tests, and for a single process that
-// shares nothing. Guards that share one MemStore behave like instances that
+// shares nothing. Guards sharing one must share one clock (it keeps times
+// as given). Guards that share one MemStore behave like instances that
 // share one database.
 type MemStore struct {
 	mu   sync.Mutex
