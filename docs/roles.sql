@@ -9,6 +9,9 @@
 --                        checks and duplicate alarms, shares breaker state.
 --   reconciler_reviewer  people resolving manual_review (package review,
 --                        `reconciler review`, `reconciler receipts show`).
+--   reconciler_readonly  stats and dashboards (`reconciler stats`): reads the
+--                        ledger, the reconciler's records and the schema
+--                        version, writes nothing.
 --
 -- Apply it as the owner of the schema (whoever ran `reconciler migrate up`),
 -- after every migration; it is idempotent and converges, so running it again
@@ -47,6 +50,37 @@
 --   * Identity columns (receipts.id, readback_checks.id, duplicate_alarms.id)
 --     draw their sequences without a sequence privilege, so none is granted,
 --     and no role may INSERT an id of its own (no INSERT on those columns).
+--   * late_outcomes is written only by reconciler.record_late_outcome
+--     (SECURITY DEFINER, migration 00004), which the agent may call; no role
+--     has INSERT on it, and refuse_rewrite refuses UPDATE, DELETE, TRUNCATE.
+--
+-- What the receipts triggers enforce on top of the grants (migration 00004),
+-- whoever holds the privilege:
+--   * Who may move (issue 7, path 8). A login that is a member of
+--     reconciler_agent and of neither reconciler_worker nor
+--     reconciler_reviewer makes only the agent's moves: planned -> submitted
+--     or rejected, submitted -> succeeded, rejected or outcome_unknown.
+--     Moves to or from reconciling, and outcome_unknown -> manual_review,
+--     need membership of reconciler_worker or reconciler_reviewer (or the
+--     table's owner); leaving manual_review needs reconciler_reviewer and a
+--     human actor. Refused with SQLSTATE RL001, by UPDATE or through
+--     reconciler.transition alike. (Only those moves look up roles: the
+--     agent's plan/submit/settle path pays nothing for it.)
+--   * Immutable columns (path 9). No UPDATE changes idempotency_key,
+--     operation, dependency, method, target, fingerprint, intent, pre_image,
+--     attempt, retry_of, created_at, max_send_delay, guarded, submitted_at,
+--     unknown_since, updated_at or version (the trigger stamps the times and
+--     the version on moves); an UPDATE that is no move (same state) changes
+--     neither state_actor, state_detail nor external_id. RL006. So the
+--     column grants below are only the columns a component writes; the
+--     worker's bookkeeping (lease_owner, lease_expires_at, next_check_at,
+--     check_count, last_check_transient) stays writable without a move.
+--   * Duplicate guard (path 1): a guarded receipt (planned without
+--     allow_duplicate) is not moved to submitted while another receipt of
+--     the same dependency and fingerprint is unresolved (RL005, DETAIL: its
+--     id); checked under the advisory lock reconciler.plan takes.
+--   * Keys (path 7): a first attempt's key is at most 255 bytes and does not
+--     end in #<digits>; a retry's key is "<logical key>#<attempt>" (RL007).
 
 BEGIN;
 
@@ -54,7 +88,8 @@ DO $$
 DECLARE
     r text;
 BEGIN
-    FOREACH r IN ARRAY ARRAY['reconciler_agent', 'reconciler_worker', 'reconciler_reviewer'] LOOP
+    FOREACH r IN ARRAY ARRAY['reconciler_agent', 'reconciler_worker', 'reconciler_reviewer',
+                             'reconciler_readonly'] LOOP
         IF NOT EXISTS (SELECT FROM pg_catalog.pg_roles WHERE rolname = r) THEN
             BEGIN
                 EXECUTE format('CREATE ROLE %I NOLOGIN', r);
@@ -69,18 +104,20 @@ $$;
 -- Start from nothing, so that running this file again converges on exactly
 -- the grants below (revoking a table privilege revokes its column
 -- privileges too).
-REVOKE ALL ON SCHEMA reconciler FROM PUBLIC, reconciler_agent, reconciler_worker, reconciler_reviewer;
+REVOKE ALL ON SCHEMA reconciler
+    FROM PUBLIC, reconciler_agent, reconciler_worker, reconciler_reviewer, reconciler_readonly;
 REVOKE ALL ON ALL TABLES IN SCHEMA reconciler
-    FROM PUBLIC, reconciler_agent, reconciler_worker, reconciler_reviewer;
+    FROM PUBLIC, reconciler_agent, reconciler_worker, reconciler_reviewer, reconciler_readonly;
 REVOKE ALL ON ALL SEQUENCES IN SCHEMA reconciler
-    FROM PUBLIC, reconciler_agent, reconciler_worker, reconciler_reviewer;
+    FROM PUBLIC, reconciler_agent, reconciler_worker, reconciler_reviewer, reconciler_readonly;
 -- Functions are executable by PUBLIC by default; here each role gets only
 -- the ones it calls. (Trigger functions need no EXECUTE to fire, and cannot
 -- be called directly.)
 REVOKE ALL ON ALL FUNCTIONS IN SCHEMA reconciler
-    FROM PUBLIC, reconciler_agent, reconciler_worker, reconciler_reviewer;
+    FROM PUBLIC, reconciler_agent, reconciler_worker, reconciler_reviewer, reconciler_readonly;
 
-GRANT USAGE ON SCHEMA reconciler TO reconciler_agent, reconciler_worker, reconciler_reviewer;
+GRANT USAGE ON SCHEMA reconciler
+    TO reconciler_agent, reconciler_worker, reconciler_reviewer, reconciler_readonly;
 
 -- transition_error explains a refused move inside receipts_before_update,
 -- which runs with the rights of whoever moves the receipt.
@@ -89,16 +126,21 @@ GRANT EXECUTE ON FUNCTION reconciler.transition_error(text, text, text)
 
 -- reconciler_agent: plan (reconciler.plan, which runs with the caller's
 -- rights: it reads receipt_keys and receipts, locks a retried receipt FOR
--- UPDATE, and inserts the receipt), move (ledger's UPDATE, or
--- reconciler.transition), read its receipts and their history.
+-- UPDATE, and inserts the receipt with its send deadline), move (ledger's
+-- UPDATE, or reconciler.transition: the agent's moves only, see above),
+-- record what it learned after the orphan sweep moved its receipt
+-- (reconciler.record_late_outcome), read its receipts and their history.
+-- (INSERT of max_send_delay and guarded too: plan writes both, and an
+-- unguarded receipt is what allow_duplicate asks for, which the agent may.)
 GRANT EXECUTE ON FUNCTION
-    reconciler.plan(text, text, text, text, text, text, jsonb, text, boolean, bigint, jsonb),
-    reconciler.transition(bigint, text, text, jsonb, text, text)
+    reconciler.plan(text, text, text, text, text, text, jsonb, text, boolean, bigint, jsonb, interval),
+    reconciler.transition(bigint, text, text, jsonb, text, text),
+    reconciler.record_late_outcome(bigint, text, text, integer, text, jsonb)
     TO reconciler_agent;
 GRANT SELECT ON reconciler.receipts, reconciler.receipt_events, reconciler.receipt_keys
     TO reconciler_agent;
 GRANT INSERT (idempotency_key, operation, dependency, method, target, fingerprint, intent,
-              state_actor, attempt, retry_of, pre_image)
+              state_actor, attempt, retry_of, pre_image, max_send_delay, guarded)
     ON reconciler.receipts TO reconciler_agent;
 GRANT UPDATE (state, state_actor, state_detail, external_id)
     ON reconciler.receipts TO reconciler_agent;
@@ -106,8 +148,11 @@ GRANT UPDATE (state, state_actor, state_detail, external_id)
 -- reconciler_worker: claim (UPDATE ... FOR UPDATE SKIP LOCKED), complete
 -- (settle or reschedule, appending readback_checks and duplicate_alarms in
 -- the same statement), orphan sweep, backlog counts, LISTEN (needs no
--- privilege), and the shared breaker rows (upsert with RETURNING).
-GRANT SELECT ON reconciler.receipts, reconciler.duplicate_alarms TO reconciler_worker;
+-- privilege), the shared breaker rows (upsert with RETURNING), and the late
+-- outcomes agents recorded for the rows it claims (and which the trigger
+-- reads on a move to safe_to_retry).
+GRANT SELECT ON reconciler.receipts, reconciler.duplicate_alarms, reconciler.late_outcomes
+    TO reconciler_worker;
 GRANT UPDATE (state, state_actor, state_detail, external_id, lease_owner, lease_expires_at,
               next_check_at, check_count, last_check_transient)
     ON reconciler.receipts TO reconciler_worker;
@@ -124,9 +169,17 @@ GRANT SELECT, INSERT, UPDATE ON reconciler.dependency_breakers TO reconciler_wor
 GRANT EXECUTE ON FUNCTION reconciler.transition(bigint, text, text, jsonb, text, text)
     TO reconciler_reviewer;
 GRANT SELECT ON reconciler.receipts, reconciler.receipt_events, reconciler.readback_checks,
-                reconciler.duplicate_alarms
+                reconciler.duplicate_alarms, reconciler.late_outcomes
     TO reconciler_reviewer;
 GRANT UPDATE (state, state_actor, state_detail, external_id)
     ON reconciler.receipts TO reconciler_reviewer;
+
+-- reconciler_readonly: `reconciler stats` and dashboards. Reads the ledger,
+-- the reconciler's records, the shared breaker state and goose's version
+-- table (whether the schema is current); executes nothing, writes nothing.
+GRANT SELECT ON reconciler.receipts, reconciler.receipt_events, reconciler.readback_checks,
+                reconciler.duplicate_alarms, reconciler.late_outcomes,
+                reconciler.dependency_breakers, reconciler.goose_db_version
+    TO reconciler_readonly;
 
 COMMIT;

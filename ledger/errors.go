@@ -29,13 +29,30 @@ var (
 	// ErrNotSent means the call failed before any byte was written; the
 	// receipt is rejected with retryable set, and a retry is safe.
 	ErrNotSent = errors.New("request not sent")
-	// ErrInvalidIntent means the intent is missing a field or its payload
-	// was refused by the fingerprint.
+	// ErrInvalidIntent means the intent is missing a field, its payload
+	// was refused by the fingerprint, its MaxSendDelay is out of range, or
+	// a retry's payload differs from the attempt it retries.
 	ErrInvalidIntent = errors.New("invalid intent")
+	// ErrInvalidKey means the database cannot take the idempotency key: a
+	// first attempt's key ends in "#<digits>" (the suffix that numbers
+	// retries, see LogicalKey) or is longer than MaxKeyBytes, or a retry's
+	// key is not "<logical key>#<attempt>" (SQLSTATE RL007).
+	ErrInvalidKey = errors.New("invalid idempotency key")
+	// ErrSendDeadline means the transport had no connection for the
+	// request by its send deadline (Receipt.SendDeadline, measured locally
+	// from before the submit): the request was canceled before any byte
+	// was written, and the receipt is rejected as not_sent, retryable.
+	// An OutcomeError carrying it also matches ErrNotSent.
+	ErrSendDeadline = errors.New("send deadline passed before the request could be written")
 )
 
 // DuplicateError is returned by Plan when the intent's fingerprint is
-// unresolved in an earlier receipt. It matches ErrDuplicateIntent.
+// unresolved in an earlier receipt, and by Submit (so by Caller.Do) when
+// another receipt of the same intent was submitted between this one's plan
+// and its submit: the database re-checks the guard on planned→submitted, so
+// of two agents that planned one intent under two keys only one sends. The
+// refused receipt stays planned and nothing was sent. It matches
+// ErrDuplicateIntent.
 type DuplicateError struct {
 	// Existing is the earlier receipt whose outcome is still unresolved.
 	Existing *Receipt
@@ -53,7 +70,9 @@ func (e *DuplicateError) Unwrap() error { return ErrDuplicateIntent }
 // ConflictError is returned when a move's expected current state no longer
 // holds. It matches ErrStateConflict.
 type ConflictError struct {
-	ID       int64
+	// ID is the receipt's id.
+	ID int64
+	// Expected is the state the move required; Actual the one it found.
 	Expected statemachine.State
 	Actual   statemachine.State
 }
@@ -68,11 +87,12 @@ func (e *ConflictError) Unwrap() error { return ErrStateConflict }
 
 // SQLSTATEs raised by the schema's triggers and functions (package migrations).
 const (
-	codeIllegal   = "RL001"
-	codeConflict  = "RL002"
-	codeNotFound  = "RL003"
-	codeKeyReused = "RL004"
-	codeDuplicate = "RL005"
+	codeIllegal    = "RL001"
+	codeConflict   = "RL002"
+	codeNotFound   = "RL003"
+	codeKeyReused  = "RL004"
+	codeDuplicate  = "RL005"
+	codeInvalidKey = "RL007"
 )
 
 // pgCode returns the SQLSTATE of err, or "".

@@ -3,6 +3,7 @@ package ledger
 import (
 	"bytes"
 	"context"
+	"crypto/tls"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -25,7 +26,7 @@ import (
 // ErrRejected means the API refused the request deterministically (a 4xx,
 // or whatever a Caller's Classify calls a rejection): the receipt is
 // rejected and the effect did not happen. OutcomeError.Cause.Retryable says
-// whether sending it again later may succeed (429, 408, 425).
+// whether sending it again later may succeed (429, 425).
 var ErrRejected = errors.New("request rejected")
 
 // ErrResponseTooLarge is the Exchange.Err of a response whose body exceeded
@@ -44,8 +45,14 @@ const (
 // Error codes recorded in CallError.Code by the default classification,
 // besides "http_<status>" for a response that settles the receipt as
 // rejected or outcome_unknown.
+//
+// A request canceled at its send deadline before the transport had a
+// connection is recorded as not_sent too (SPEC §5a: "a request not written
+// by then is not sent at all and the receipt is rejected as not_sent"),
+// with a message that says the send deadline passed and "send_deadline":
+// true in the detail's extra; the Go error matches ErrSendDeadline.
 const (
-	CodeNotSent          = "not_sent"          // nothing was written: DNS, dial, TLS, local errors
+	CodeNotSent          = "not_sent"          // nothing was written: DNS, dial, TLS, local errors, send deadline
 	CodeRateLimited      = "rate_limited"      // 429
 	CodeTimeout          = "timeout"           // sent, then a deadline passed
 	CodeCanceled         = "canceled"          // sent, then the context was canceled
@@ -136,7 +143,8 @@ type Caller struct {
 	// must report net/http/httptrace events for the request's context, as
 	// net/http's Transport (HTTP/1 and HTTP/2) and wrappers around it do:
 	// a failure the transport reports without any trace event is taken as
-	// "nothing was sent".
+	// "nothing was sent". Its CheckRedirect is not used: Do never follows
+	// a redirect (SPEC §5a), the 3xx is the answer.
 	HTTP *http.Client
 	// Classify, when set, is consulted first; returning false falls back
 	// to DefaultClassify. Use it for per-API meanings, for example "409
@@ -235,10 +243,37 @@ func (e *OutcomeError) Unwrap() []error {
 //
 //  1. Plan records the intent (an existing key returns its receipt);
 //  2. Submit records that the request is about to leave;
-//  3. only then is req sent, under ctx (which replaces req's context);
+//  3. only then is req sent, under ctx (which replaces req's context),
+//     within the receipt's send deadline or not at all (below);
 //  4. the receipt is settled from the exchange: Classify, then
 //     DefaultClassify. Settling uses a context detached from ctx, so a
 //     call whose ctx expired is still recorded.
+//
+// The send deadline (SPEC §5a) is the receipt's MaxSendDelay, counted on
+// the local monotonic clock from a moment taken before the submit
+// statement is issued; the database stamps submitted_at after that moment,
+// so the local deadline never ends later than the receipt's SendDeadline.
+// A request for which the transport has no connection by then (pool wait,
+// DNS, dial, TLS) is canceled, nothing having been written, and the receipt
+// is rejected as not_sent, retryable (the error matches ErrNotSent and
+// ErrSendDeadline). On an HTTP/1 connection, Do also sets the connection's
+// write deadline to the send deadline when it gets the connection (and
+// clears it once the request is written, so the pooled connection stays
+// reusable): no byte of the request is written after the deadline, and a
+// request cut short by it is outcome_unknown like any failure after the
+// connection was had. An HTTP/2 connection is shared by many requests, so
+// Do never touches it: there, the cancellation covers the wait for a
+// connection and for a stream slot until the request's headers start
+// being written; once they have, the request goes out at once. (Unencrypted
+// HTTP/2 is recognized only when HTTP is an *http.Transport whose
+// Protocols enable it; a custom RoundTripper that speaks unencrypted HTTP/2
+// must not be used here.)
+//
+// Do never follows a redirect: the request is sent with a shallow copy of
+// HTTP whose CheckRedirect returns http.ErrUseLastResponse, and the 3xx is
+// classified (see DefaultClassify). Following it would send another
+// request, with the call's headers, whose status would then be taken for
+// the call's.
 //
 // in.Method and in.Target default to req's method and URL path (never its
 // query or user info); set Target when the path itself holds a secret.
@@ -253,8 +288,17 @@ func (e *OutcomeError) Unwrap() []error {
 //
 // The error is nil exactly when the receipt succeeded; an OutcomeError
 // when it settled otherwise (Result holds the receipt and any response);
-// and otherwise an error from planning (DuplicateError, ErrKeyConflict,
-// ErrInvalidIntent, ...) with nothing sent. Do always closes req.Body.
+// and otherwise an error from planning or submitting (DuplicateError,
+// ErrKeyConflict, ErrInvalidIntent, ErrInvalidKey, ...) with nothing sent.
+// A DuplicateError from the submit means another receipt of the same
+// intent was submitted since this one was planned: the receipt stays
+// planned (Result.Receipt) and nothing is sent. Do always closes req.Body.
+//
+// When the response arrives after someone else (the reconciler's orphan
+// sweep) moved the submitted receipt on to outcome_unknown, reconciling or
+// manual_review, Do cannot settle it, so it records what it observed with
+// Client.RecordLateOutcome: the reconciler settles the receipt from it (a
+// 2xx with its external id is kept), and the OutcomeError says so.
 //
 // The request is sent with GetBody cleared, so the transport never
 // replays a body it has started to write (net/http retries a request on a
@@ -295,9 +339,19 @@ func (c *Caller) Do(ctx context.Context, in Intent, req *http.Request) (*Result,
 		return &Result{Receipt: r}, fmt.Errorf("ledger: receipt %d not submitted, nothing sent: %w", r.ID, err)
 	}
 
+	// The send deadline starts before the submit is issued: the database
+	// stamps submitted_at later than this, so t0+delay is never later
+	// than the receipt's SendDeadline.
+	t0 := time.Now()
 	wctx, cancel := c.writeContext(ctx)
 	sub, err := c.Ledger.Submit(wctx, r)
 	cancel()
+	var dupSub *DuplicateError
+	if errors.As(err, &dupSub) {
+		// Another receipt of this intent went out since ours was planned.
+		closeBody(req)
+		return &Result{Receipt: r}, fmt.Errorf("ledger: receipt %d not submitted, nothing sent: %w", r.ID, err)
+	}
 	if errors.Is(err, ErrStateConflict) {
 		// Another call with the same key submitted it first: it is in flight there.
 		closeBody(req)
@@ -311,20 +365,28 @@ func (c *Caller) Do(ctx context.Context, in Intent, req *http.Request) (*Result,
 		return &Result{Receipt: r}, fmt.Errorf("ledger: receipt %d: submit failed, nothing sent: %w", r.ID, err)
 	}
 
-	ex, stats := c.send(ctx, req)
+	delay := sub.MaxSendDelay
+	if delay <= 0 {
+		delay = DefaultMaxSendDelay
+	}
+	ex, stats := c.send(ctx, req, t0.Add(delay), delay)
 	v, overridden := c.classify(ex)
 	res := &Result{Receipt: sub, Response: ex.Response, Body: ex.Body, Verdict: v, Sent: ex.Sent}
-	settled, cause, err := c.settle(ctx, sub, ex, v, overridden, stats)
+	settled, cause, detail, err := c.settle(ctx, sub, ex, v, overridden, stats)
 	if err != nil {
 		// The receipt stays submitted (or was moved by someone else, e.g.
 		// the reconciler's orphan sweep): its outcome is unknown to the
 		// ledger whatever the response said.
+		note := fmt.Sprintf("recording the outcome (%s) failed: %v", v.Outcome, err)
+		var ce *ConflictError
+		if errors.As(err, &ce) && movedOnBySweep(ce.Actual) {
+			note = c.recordLate(ctx, sub, ce.Actual, ex, v, detail)
+		}
 		gctx, cancel := c.writeContext(ctx)
 		if cur, gerr := c.Ledger.Get(gctx, sub.ID); gerr == nil {
 			res.Receipt = cur
 		}
 		cancel()
-		note := fmt.Sprintf("recording the outcome (%s) failed: %v", v.Outcome, err)
 		return res, &OutcomeError{Receipt: res.Receipt, Cause: cause, Err: errors.Join(ex.Err, err), note: note}
 	}
 	res.Receipt = settled
@@ -332,6 +394,29 @@ func (c *Caller) Do(ctx context.Context, in Intent, req *http.Request) (*Result,
 		return res, nil
 	}
 	return res, &OutcomeError{Receipt: settled, Cause: cause, Err: ex.Err}
+}
+
+// movedOnBySweep reports whether a submitted receipt found in state s was
+// moved on by the reconciler (the orphan sweep) rather than settled.
+func movedOnBySweep(s statemachine.State) bool {
+	return s == statemachine.OutcomeUnknown || s == statemachine.Reconciling || s == statemachine.ManualReview
+}
+
+// recordLate keeps the outcome observed for a receipt the sweep moved on
+// before the response arrived, and returns the note Do's error carries.
+func (c *Caller) recordLate(ctx context.Context, sub *Receipt, now statemachine.State, ex Exchange, v Verdict, d Detail) string {
+	wctx, cancel := c.writeContext(ctx)
+	defer cancel()
+	observed := string(v.Outcome)
+	if v.ExternalID != "" {
+		observed += " with external id " + strconv.Quote(v.ExternalID)
+	}
+	if err := c.Ledger.RecordLateOutcome(wctx, sub.ID, v.Outcome, ex.Status(), v.ExternalID, d); err != nil {
+		return fmt.Sprintf("the receipt was moved to %s before the response arrived, and recording the observed outcome (%s) as a late outcome failed: %v",
+			now, observed, err)
+	}
+	return fmt.Sprintf("the receipt was moved to %s before the response arrived; the observed outcome (%s) is recorded as a late outcome and the reconciler will settle the receipt from it",
+		now, observed)
 }
 
 func (c *Caller) check(in *Intent, req *http.Request) error {
@@ -402,14 +487,40 @@ func (c *Caller) lastError(ctx context.Context, id int64) (*CallError, error) {
 	return nil, nil
 }
 
+// The send guard of one request: who got there first, the send deadline's
+// timer or the request.
+const (
+	guardWaiting int32 = iota // no connection yet: the timer may cancel
+	guardHeld                 // an HTTP/1 connection bounded by a write deadline, or a write began
+	guardExpired              // the timer fired first and canceled the request
+)
+
 // sendStats is what the trace saw, kept as evidence.
 type sendStats struct {
-	conns  atomic.Int32 // GotConn events: more than one means the transport retried
-	reused atomic.Bool
-	wrote  atomic.Bool // a write hook fired
+	conns   atomic.Int32 // GotConn events: more than one means the transport retried
+	blocked atomic.Int32 // HTTP/1 connections whose write deadline had passed before the request reached them
+	reused  atomic.Bool
+	wrote   atomic.Bool // a write hook fired
+	http2   atomic.Bool // a connection was (or may be) HTTP/2
+	guard   atomic.Int32
+	// deadline is set when the send deadline canceled the request or
+	// blocked its writes.
+	deadline atomic.Bool
+	// h1 is the HTTP/1 connection whose write deadline Do set, to clear.
+	h1 atomic.Pointer[net.Conn]
 }
 
-func (s *sendStats) sent() bool { return s.conns.Load() > 0 || s.wrote.Load() }
+// sent reports whether any byte may have been written. From GotConn on it
+// may, except on an HTTP/1 connection whose write deadline had already
+// passed when the request got it: every write on it fails before the
+// system call, and the write hooks then report bytes that only reached the
+// transport's buffer.
+func (s *sendStats) sent() bool {
+	if n := s.conns.Load(); n > 0 {
+		return n > s.blocked.Load()
+	}
+	return s.wrote.Load()
+}
 
 // send writes req under ctx with a trace and reads the whole response body.
 //
@@ -422,30 +533,88 @@ func (s *sendStats) sent() bool { return s.conns.Load() > 0 || s.wrote.Load() }
 // RoundTripper's own error such as missing credentials) proves that no
 // byte left. Mistaking "not sent" for "sent" costs a readback; the reverse
 // would allow a duplicate.
-func (c *Caller) send(ctx context.Context, req *http.Request) (Exchange, *sendStats) {
+//
+// The send deadline (see Do) is enforced here: a timer cancels the request
+// at deadline unless the transport got an HTTP/1 connection first (whose
+// write deadline then bounds every write) or, on HTTP/2, began writing.
+func (c *Caller) send(ctx context.Context, req *http.Request, deadline time.Time, delay time.Duration) (Exchange, *sendStats) {
 	st := &sendStats{}
+	sctx, cancel := context.WithCancelCause(ctx)
+	defer cancel(nil)
+	began := func() { st.guard.CompareAndSwap(guardWaiting, guardHeld) }
+	wrote := func() { st.wrote.Store(true); began() }
 	trace := &httptrace.ClientTrace{
 		GotConn: func(info httptrace.GotConnInfo) {
 			st.conns.Add(1)
 			if info.Reused {
 				st.reused.Store(true)
 			}
+			if info.Conn == nil || c.mayBeHTTP2(info.Conn) {
+				// A shared connection: leave it alone; the timer stays
+				// armed until a write begins.
+				st.http2.Store(true)
+				return
+			}
+			// HTTP/1: the connection is this request's alone until it
+			// is written, and GotConn runs before the request is handed
+			// to the connection's writer.
+			began()
+			expired := !time.Now().Before(deadline)
+			if info.Conn.SetWriteDeadline(deadline) != nil {
+				return
+			}
+			conn := info.Conn
+			st.h1.Store(&conn)
+			if expired {
+				// Every write on it fails without a system call: nothing
+				// of this request can leave on it.
+				st.blocked.Add(1)
+				st.deadline.Store(true)
+				cancel(ErrSendDeadline)
+			}
 		},
-		WroteHeaderField: func(string, []string) { st.wrote.Store(true) },
-		WroteHeaders:     func() { st.wrote.Store(true) },
-		Wait100Continue:  func() { st.wrote.Store(true) },
-		WroteRequest:     func(httptrace.WroteRequestInfo) { st.wrote.Store(true) },
+		WroteHeaderField: func(string, []string) { wrote() },
+		WroteHeaders:     wrote,
+		Wait100Continue:  wrote,
+		WroteRequest: func(httptrace.WroteRequestInfo) {
+			wrote()
+			if conn := st.h1.Load(); conn != nil {
+				// Written (or failed): the pooled connection must not
+				// keep this request's deadline.
+				_ = (*conn).SetWriteDeadline(time.Time{})
+			}
+		},
 	}
-	out := req.Clone(httptrace.WithClientTrace(ctx, trace))
+	out := req.Clone(httptrace.WithClientTrace(sctx, trace))
 	// Without GetBody the transport cannot rewind a body it has started
 	// to send, so it cannot resend a non-idempotent request on its own,
-	// and a 307/308 redirect is returned rather than replayed.
+	// and a 307/308 redirect could not be replayed either (Do follows
+	// none: see below).
 	out.GetBody = nil
-	hc := c.HTTP
-	if hc == nil {
-		hc = http.DefaultClient
+	if !time.Now().Before(deadline) {
+		// The submit itself took the whole delay: send nothing.
+		st.deadline.Store(true)
+		return Exchange{Request: out, Err: fmt.Errorf("%w (%v after submit): the submit took it all", ErrSendDeadline, delay)}, st
 	}
-	resp, err := hc.Do(out)
+	timer := time.AfterFunc(time.Until(deadline), func() {
+		if st.guard.CompareAndSwap(guardWaiting, guardExpired) {
+			st.deadline.Store(true)
+			cancel(ErrSendDeadline)
+		}
+	})
+	resp, err := c.client().Do(out)
+	// Answered or failed: the deadline no longer concerns this request
+	// (it must not cut short the reading of a body, whatever the
+	// transport reported).
+	timer.Stop()
+	st.guard.CompareAndSwap(guardWaiting, guardHeld)
+	if err != nil && st.deadline.Load() {
+		if st.sent() {
+			err = fmt.Errorf("canceled at the send deadline (%v after submit) after the transport had a connection: %w", delay, err)
+		} else {
+			err = fmt.Errorf("%w (%v after submit): no connection by then, nothing written: %w", ErrSendDeadline, delay, err)
+		}
+	}
 	ex := Exchange{Request: out, Response: resp, Err: err}
 	if resp != nil && err == nil {
 		ex.Body, ex.Err = readBody(resp.Body, c.maxBody())
@@ -454,6 +623,36 @@ func (c *Caller) send(ctx context.Context, req *http.Request) (Exchange, *sendSt
 	}
 	ex.Sent = resp != nil || st.sent()
 	return ex, st
+}
+
+// client returns the HTTP client Do sends with: c.HTTP (or the default)
+// with redirects turned off.
+func (c *Caller) client() *http.Client {
+	hc := http.DefaultClient
+	if c.HTTP != nil {
+		hc = c.HTTP
+	}
+	cp := *hc
+	cp.CheckRedirect = func(*http.Request, []*http.Request) error { return http.ErrUseLastResponse }
+	return &cp
+}
+
+// mayBeHTTP2 reports whether conn may carry HTTP/2, whose connection is
+// shared by concurrent requests: a TLS connection that negotiated "h2", or
+// a plain one when the transport is configured for unencrypted HTTP/2.
+func (c *Caller) mayBeHTTP2(conn net.Conn) bool {
+	if tc, ok := conn.(*tls.Conn); ok {
+		return tc.ConnectionState().NegotiatedProtocol == "h2"
+	}
+	var rt http.RoundTripper
+	if c.HTTP != nil {
+		rt = c.HTTP.Transport
+	}
+	if rt == nil {
+		rt = http.DefaultTransport
+	}
+	tr, ok := rt.(*http.Transport)
+	return ok && tr.Protocols != nil && tr.Protocols.UnencryptedHTTP2()
 }
 
 func (c *Caller) maxBody() int64 {
@@ -526,8 +725,16 @@ func (c *Caller) classify(ex Exchange) (v Verdict, overridden bool) {
 //   - 2xx whose body was read whole and, when it is or looks like JSON,
 //     parses: succeeded; otherwise outcome_unknown (truncated_body,
 //     malformed_body, body_too_large);
-//   - 429: rejected, retryable, rate_limited; 408 and 425: rejected,
-//     retryable; other 4xx: rejected;
+//   - 3xx: outcome_unknown. Do follows no redirect, so the request was
+//     delivered and answered with one; whether it took effect is unknown.
+//     A 303 See Other to a POST, PUT, PATCH or DELETE usually means the
+//     server did the work and points at the result: the message says the
+//     effect likely exists. The Location (without user info, query or
+//     fragment) is recorded in the detail's extra as "location";
+//   - 408: outcome_unknown (gateways and proxies send it after they
+//     forwarded the request, so it may have taken effect): not retryable;
+//   - 429: rejected, retryable, rate_limited; 425: rejected, retryable
+//     (the server refused to process early data); other 4xx: rejected;
 //   - 5xx (500, 502, 503, 504, ...), and any other status: outcome_unknown.
 func DefaultClassify(ex Exchange) Verdict {
 	if ex.Response == nil {
@@ -554,14 +761,61 @@ func DefaultClassify(ex Exchange) Verdict {
 				Message: fmt.Sprintf("%s with a body of %d bytes that is not valid JSON", statusMessage(ex), len(ex.Body))}
 		}
 		return Verdict{Outcome: OutcomeSucceeded}
+	case status >= 300 && status <= 399:
+		msg := statusMessage(ex) + ": redirect not followed; the request was delivered and answered with a redirect, its effect is unknown"
+		if status == http.StatusSeeOther && ex.Request != nil && effectMethod(ex.Request.Method) {
+			msg = statusMessage(ex) + " to a " + strings.ToUpper(ex.Request.Method) +
+				": the effect likely exists (the server usually did the work and points at the result); redirect not followed"
+		}
+		return Verdict{Outcome: OutcomeUnknown, Code: statusCode(ex), Message: msg}
+	case status == http.StatusRequestTimeout:
+		return Verdict{Outcome: OutcomeUnknown, Code: statusCode(ex),
+			Message: statusMessage(ex) + ": gateways send it after forwarding the request, so its effect is unknown"}
 	case status == http.StatusTooManyRequests:
 		return Verdict{Outcome: OutcomeRejected, Code: CodeRateLimited, Message: statusMessage(ex), Retryable: true}
-	case status == http.StatusRequestTimeout || status == http.StatusTooEarly:
+	case status == http.StatusTooEarly:
 		return Verdict{Outcome: OutcomeRejected, Code: statusCode(ex), Message: statusMessage(ex), Retryable: true}
 	case status >= 400 && status <= 499:
 		return Verdict{Outcome: OutcomeRejected, Code: statusCode(ex), Message: statusMessage(ex)}
 	}
 	return Verdict{Outcome: OutcomeUnknown, Code: statusCode(ex), Message: statusMessage(ex)}
+}
+
+// effectMethod reports whether a 303 answering method points at the
+// result of an effect.
+func effectMethod(method string) bool {
+	switch strings.ToUpper(method) {
+	case http.MethodPost, http.MethodPut, http.MethodPatch, http.MethodDelete:
+		return true
+	}
+	return false
+}
+
+// redirectLocation returns a 3xx response's Location resolved against the
+// request's URL, without user info, query or fragment, bounded; "" when
+// there is none.
+func redirectLocation(ex Exchange) string {
+	raw := ex.Response.Header.Get("Location")
+	if raw == "" {
+		return ""
+	}
+	u, err := url.Parse(raw)
+	if err != nil {
+		return "[unparseable Location]"
+	}
+	if ex.Request != nil && ex.Request.URL != nil {
+		u = ex.Request.URL.ResolveReference(u)
+	}
+	u.User, u.RawQuery, u.ForceQuery, u.Fragment, u.RawFragment = nil, "", false, "", ""
+	loc := u.String()
+	if len(loc) > maxMessageBytes {
+		cut := maxMessageBytes
+		for cut > 0 && !utf8.RuneStart(loc[cut]) {
+			cut--
+		}
+		loc = loc[:cut] + "…"
+	}
+	return loc
 }
 
 func statusCode(ex Exchange) string {
@@ -652,9 +906,12 @@ func redactURL(raw string) string {
 }
 
 // settle moves the submitted receipt per the verdict, with a context that
-// outlives ctx. It returns the error it recorded, if any.
-func (c *Caller) settle(ctx context.Context, r *Receipt, ex Exchange, v Verdict, overridden bool, st *sendStats) (*Receipt, *CallError, error) {
+// outlives ctx. It returns the error it recorded, if any, and the detail.
+func (c *Caller) settle(ctx context.Context, r *Receipt, ex Exchange, v Verdict, overridden bool, st *sendStats) (*Receipt, *CallError, Detail, error) {
 	extra := map[string]any{"sent": ex.Sent}
+	if st.deadline.Load() {
+		extra["send_deadline"] = true
+	}
 	if n := st.conns.Load(); n > 1 {
 		// The transport retried on another connection (see Do): the
 		// reconciler should look for a duplicate.
@@ -669,6 +926,11 @@ func (c *Caller) settle(ctx context.Context, r *Receipt, ex Exchange, v Verdict,
 	if ex.Response != nil {
 		if ra := ex.Response.Header.Get("Retry-After"); ra != "" && len(ra) <= 64 {
 			extra["retry_after"] = ra
+		}
+		if s := ex.Response.StatusCode; s >= 300 && s <= 399 {
+			if loc := redirectLocation(ex); loc != "" {
+				extra["location"] = loc
+			}
 		}
 	}
 	d := Detail{Extra: extra}
@@ -695,7 +957,7 @@ func (c *Caller) settle(ctx context.Context, r *Receipt, ex Exchange, v Verdict,
 	default:
 		settled, err = c.Ledger.MarkUnknown(wctx, r, d)
 	}
-	return settled, cause, err
+	return settled, cause, d, err
 }
 
 // ExternalIDAt returns an extractor, for Caller.ExternalID, of the string

@@ -6,6 +6,12 @@
 // Every move is one statement in one transaction (projection and history
 // together), guarded by the state the caller last saw, so of two concurrent
 // writers on one receipt exactly one wins and the other gets ErrStateConflict.
+//
+// Every time a receipt carries (CreatedAt, SubmittedAt, SendDeadline,
+// UpdatedAt, event times) is the database's clock_timestamp(); the client
+// never stores a time of its own clock. The only local clock reading is
+// Caller.Do's monotonic send deadline, which starts before the submit
+// statement and so never ends later than the database's.
 package ledger
 
 import (
@@ -18,10 +24,23 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/receiptledger/reconciler/fingerprint"
 	"github.com/receiptledger/reconciler/statemachine"
+)
+
+// Limits of an intent, as the database enforces them.
+const (
+	// DefaultMaxSendDelay is the send deadline of an intent that declares
+	// none: the request must be written within 5 s of its submit.
+	DefaultMaxSendDelay = 5 * time.Second
+	// MaxSendDelayLimit is the longest send deadline an intent may declare.
+	MaxSendDelayLimit = 10 * time.Minute
+	// MaxKeyBytes is the longest idempotency key a first attempt may have,
+	// in bytes (a retry's key adds "#<attempt>" to it).
+	MaxKeyBytes = 255
 )
 
 // Client records receipts for one actor. It is safe for concurrent use.
@@ -78,6 +97,15 @@ type Intent struct {
 	// time: the reconciler proves an update absent only if the resource
 	// still holds it. Leave nil for creates and deletes.
 	PreImage json.RawMessage
+	// MaxSendDelay is the send deadline (SPEC §5a): the request's bytes
+	// must be written within this long after the submit, or not at all
+	// (Caller.Do cancels a request that has no connection by then, and
+	// the receipt is rejected as not_sent). The reconciler counts it in the
+	// absence window, so a shorter deadline settles sooner. 0 means
+	// DefaultMaxSendDelay; otherwise it must be positive and at most
+	// MaxSendDelayLimit (ErrInvalidIntent). Recorded at plan time, it never
+	// changes: a known key keeps the deadline it was planned with.
+	MaxSendDelay time.Duration
 }
 
 // Receipt is one attempt at one side effect: the current-state projection.
@@ -90,15 +118,22 @@ type Receipt struct {
 	Target         string
 	Fingerprint    string
 	// Intent is the normalized payload with secret fields redacted.
-	Intent      json.RawMessage
-	State       statemachine.State
-	ExternalID  string
-	Attempt     int
-	RetryOf     int64 // 0 when this is a first attempt
+	Intent     json.RawMessage
+	State      statemachine.State
+	ExternalID string
+	Attempt    int
+	RetryOf    int64 // 0 when this is a first attempt
+	// CreatedAt, SubmittedAt and UpdatedAt are the database's
+	// clock_timestamp() at the moves that stamped them.
 	CreatedAt   time.Time
 	SubmittedAt time.Time // zero until submitted
 	UpdatedAt   time.Time
 	Version     int
+	// MaxSendDelay is the send deadline the receipt was planned with.
+	MaxSendDelay time.Duration
+	// SendDeadline is SubmittedAt + MaxSendDelay, the database's bound on
+	// when the request's bytes may leave; zero until submitted.
+	SendDeadline time.Time
 	// Retryable is set on a rejected receipt whose call may be sent again:
 	// nothing was sent, or the API asked to come back later (429). Retry
 	// accepts it like a safe_to_retry receipt.
@@ -153,43 +188,82 @@ type Move struct {
 	ExternalID string
 }
 
+var keyEscaper = strings.NewReplacer("%", "%25", ":", "%3A", "#", "%23")
+
 // Key derives a harness-owned idempotency key from stable identities,
 // "task:step:operation". Colons, percent and hash signs inside a part are
-// escaped so distinct triples never share a key and "#" stays free for the
-// attempt suffix of retries (see Retry and LogicalKey).
+// escaped so distinct triples never share a key, and the key holds no "#"
+// at all, so it never ends like a retry's "#<attempt>" suffix (see Retry
+// and LogicalKey) and the database never refuses it for its form.
+//
+// Key does not shorten: a key longer than MaxKeyBytes bytes (long ids, or
+// many escaped characters: each escape takes three bytes) is refused by
+// Plan and Caller.Do with ErrInvalidKey before anything is recorded. Hash
+// long ids before passing them if they can come near the limit.
 func Key(taskID, stepID, operation string) string {
-	esc := func(s string) string {
-		return strings.NewReplacer("%", "%25", ":", "%3A", "#", "%23").Replace(s)
+	return keyEscaper.Replace(taskID) + ":" + keyEscaper.Replace(stepID) + ":" + keyEscaper.Replace(operation)
+}
+
+// attemptSuffix returns the index of the "#" of a final "#<digits>", the
+// "#<attempt>" a retry's key ends with, or -1. A first attempt's key cannot
+// end this way (the database refuses it with RL007, regex '#[0-9]+$'), so
+// removing it is unambiguous.
+func attemptSuffix(key string) int {
+	i := len(key)
+	for i > 0 && key[i-1] >= '0' && key[i-1] <= '9' {
+		i--
 	}
-	return esc(taskID) + ":" + esc(stepID) + ":" + esc(operation)
+	if i == len(key) || i == 0 || key[i-1] != '#' {
+		return -1
+	}
+	return i - 1
 }
 
 // LogicalKey returns the key of the logical step a receipt's idempotency
-// key belongs to: the key without the "#<attempt>" suffix Retry adds. Every
-// attempt of one step shares it, so it is the marker an agent can put in a
-// request it builds before knowing which attempt it is.
+// key belongs to: the key with a final "#<digits>" (the attempt suffix
+// Retry adds) removed, and nothing else. Every attempt of one step shares
+// it, so it is the marker an agent can put in a request it builds before
+// knowing which attempt it is. "order#8812:charge" is its own logical key;
+// its retry "order#8812:charge#2" has the same one.
 func LogicalKey(idempotencyKey string) string {
-	base, _, _ := strings.Cut(idempotencyKey, "#")
-	return base
+	if i := attemptSuffix(idempotencyKey); i >= 0 {
+		return idempotencyKey[:i]
+	}
+	return idempotencyKey
+}
+
+// checkFirstKey refuses, before the round trip, a first attempt's key the
+// database would refuse with RL007.
+func checkFirstKey(key string) error {
+	if len(key) > MaxKeyBytes {
+		return fmt.Errorf("ledger: plan: %w: the key is %d bytes, more than %d", ErrInvalidKey, len(key), MaxKeyBytes)
+	}
+	if attemptSuffix(key) >= 0 {
+		return fmt.Errorf("ledger: plan %s: %w: a first attempt's key must not end in \"#<digits>\", the suffix of retries",
+			key, ErrInvalidKey)
+	}
+	return nil
 }
 
 const receiptColumns = `id, idempotency_key, operation, dependency, method, target, fingerprint,
 	intent, state, coalesce(external_id, ''), attempt, coalesce(retry_of, 0),
 	created_at, coalesce(submitted_at, 'epoch'::timestamptz), updated_at, version,
-	state = 'rejected' AND (state_detail #>> '{error,retryable}') IS NOT DISTINCT FROM 'true'`
+	state = 'rejected' AND (state_detail #>> '{error,retryable}') IS NOT DISTINCT FROM 'true',
+	max_send_delay, coalesce(submitted_at + max_send_delay, 'epoch'::timestamptz)`
 
 func scanReceipt(row pgx.Row) (*Receipt, error) {
 	var r Receipt
 	var state string
 	err := row.Scan(&r.ID, &r.IdempotencyKey, &r.Operation, &r.Dependency, &r.Method, &r.Target,
 		&r.Fingerprint, &r.Intent, &state, &r.ExternalID, &r.Attempt, &r.RetryOf,
-		&r.CreatedAt, &r.SubmittedAt, &r.UpdatedAt, &r.Version, &r.Retryable)
+		&r.CreatedAt, &r.SubmittedAt, &r.UpdatedAt, &r.Version, &r.Retryable,
+		&r.MaxSendDelay, &r.SendDeadline)
 	if err != nil {
 		return nil, err
 	}
 	r.State = statemachine.State(state)
 	if r.SubmittedAt.Equal(time.Unix(0, 0)) {
-		r.SubmittedAt = time.Time{}
+		r.SubmittedAt, r.SendDeadline = time.Time{}, time.Time{}
 	}
 	return &r, nil
 }
@@ -197,18 +271,49 @@ func scanReceipt(row pgx.Row) (*Receipt, error) {
 // Plan records the intent as a planned receipt before anything is sent. A
 // known idempotency key returns its existing receipt. An intent whose
 // fingerprint is unresolved in another receipt of the same dependency is
-// refused with a *DuplicateError unless AllowDuplicate is set.
+// refused with a *DuplicateError unless AllowDuplicate is set. A key the
+// database cannot take (see Key and LogicalKey) is refused with
+// ErrInvalidKey before the round trip.
 func (c *Client) Plan(ctx context.Context, in Intent) (*Receipt, error) {
-	return c.plan(ctx, in, 0)
+	if err := checkIntent(in); err != nil {
+		return nil, err
+	}
+	if err := checkFirstKey(in.IdempotencyKey); err != nil {
+		return nil, err
+	}
+	fp, err := intentFingerprint(in)
+	if err != nil {
+		return nil, err
+	}
+	return c.plan(ctx, in, fp, 0)
 }
 
-func (c *Client) plan(ctx context.Context, in Intent, retryOf int64) (*Receipt, error) {
+// checkIntent refuses an intent with a missing field or a send deadline out
+// of range.
+func checkIntent(in Intent) error {
 	for name, v := range map[string]string{"idempotency key": in.IdempotencyKey,
 		"operation": in.Operation, "dependency": in.Dependency, "method": in.Method} {
 		if v == "" {
-			return nil, fmt.Errorf("ledger: plan: %w: %s is empty", ErrInvalidIntent, name)
+			return fmt.Errorf("ledger: plan: %w: %s is empty", ErrInvalidIntent, name)
 		}
 	}
+	if d := sendDelay(in); d <= 0 || d > MaxSendDelayLimit {
+		return fmt.Errorf("ledger: plan %s: %w: MaxSendDelay %v is not in (0, %v]",
+			in.IdempotencyKey, ErrInvalidIntent, in.MaxSendDelay, MaxSendDelayLimit)
+	}
+	return nil
+}
+
+// sendDelay is the intent's send deadline with the default applied.
+func sendDelay(in Intent) time.Duration {
+	if in.MaxSendDelay == 0 {
+		return DefaultMaxSendDelay
+	}
+	return in.MaxSendDelay
+}
+
+// intentFingerprint computes the fingerprint plan records.
+func intentFingerprint(in Intent) (fingerprint.Result, error) {
 	payload := in.Payload
 	if len(payload) == 0 {
 		payload = json.RawMessage(`{}`)
@@ -216,8 +321,13 @@ func (c *Client) plan(ctx context.Context, in Intent, retryOf int64) (*Receipt, 
 	fp, err := fingerprint.Compute(in.Method, in.Target, payload,
 		fingerprint.WithDrop(in.Drop...), fingerprint.WithSecret(in.Secret...))
 	if err != nil {
-		return nil, fmt.Errorf("ledger: plan %s: %w: %w", in.IdempotencyKey, ErrInvalidIntent, err)
+		return fp, fmt.Errorf("ledger: plan %s: %w: %w", in.IdempotencyKey, ErrInvalidIntent, err)
 	}
+	return fp, nil
+}
+
+// plan records a checked intent with its fingerprint fp.
+func (c *Client) plan(ctx context.Context, in Intent, fp fingerprint.Result, retryOf int64) (*Receipt, error) {
 	var retry *int64
 	if retryOf != 0 {
 		retry = &retryOf
@@ -225,9 +335,10 @@ func (c *Client) plan(ctx context.Context, in Intent, retryOf int64) (*Receipt, 
 	row := c.pool.QueryRow(ctx, `SELECT `+receiptColumns+` FROM reconciler.plan(
 		idempotency_key => $1, operation => $2, dependency => $3, method => $4, target => $5,
 		fingerprint => $6, intent => $7, actor => $8, allow_duplicate => $9, retry_of => $10,
-		pre_image => $11)`,
+		pre_image => $11, max_send_delay => $12)`,
 		in.IdempotencyKey, in.Operation, in.Dependency, strings.ToUpper(in.Method), in.Target,
-		fp.Fingerprint, fp.Intent, string(c.actor), in.AllowDuplicate, retry, preImage(in.PreImage))
+		fp.Fingerprint, fp.Intent, string(c.actor), in.AllowDuplicate, retry, preImage(in.PreImage),
+		sendDelay(in))
 	r, err := scanReceipt(row)
 	if err != nil {
 		return nil, c.planError(ctx, in.IdempotencyKey, err)
@@ -248,12 +359,9 @@ func (c *Client) planError(ctx context.Context, key string, err error) error {
 	code, pe := pgCode(err)
 	switch code {
 	case codeDuplicate:
-		id, _ := strconv.ParseInt(pe.Detail, 10, 64)
-		existing, gerr := c.Get(ctx, id)
-		if gerr != nil {
-			return fmt.Errorf("ledger: plan %s: %w (and reading receipt %d: %w)", key, ErrDuplicateIntent, id, gerr)
-		}
-		return fmt.Errorf("ledger: plan %s: %w", key, &DuplicateError{Existing: existing})
+		return fmt.Errorf("ledger: plan %s: %w", key, c.duplicateError(ctx, pe))
+	case codeInvalidKey:
+		return fmt.Errorf("ledger: plan %s: %w: %s", key, ErrInvalidKey, pe.Message)
 	case codeKeyReused:
 		return fmt.Errorf("ledger: plan %s: %w: %s", key, ErrKeyConflict, pe.Message)
 	case codeNotFound:
@@ -262,6 +370,17 @@ func (c *Client) planError(ctx context.Context, key string, err error) error {
 		return fmt.Errorf("ledger: plan %s: %w: %s", key, ErrStateConflict, pe.Message)
 	}
 	return fmt.Errorf("ledger: plan %s: %w", key, err)
+}
+
+// duplicateError reads the receipt an RL005 refusal names in its DETAIL and
+// returns the *DuplicateError carrying it.
+func (c *Client) duplicateError(ctx context.Context, pe *pgconn.PgError) error {
+	id, _ := strconv.ParseInt(pe.Detail, 10, 64)
+	existing, gerr := c.Get(ctx, id)
+	if gerr != nil {
+		return fmt.Errorf("%w: %s (and reading receipt %d: %w)", ErrDuplicateIntent, pe.Message, id, gerr)
+	}
+	return &DuplicateError{Existing: existing}
 }
 
 // Transition makes one move in one transaction: the receipt's projection
@@ -301,14 +420,25 @@ func (c *Client) Transition(ctx context.Context, m Move) (*Receipt, error) {
 		}
 		return nil, fmt.Errorf("ledger: %w", &ConflictError{ID: m.ID, Expected: m.From, Actual: cur.State})
 	}
-	if code, pe := pgCode(err); code == codeIllegal {
+	switch code, pe := pgCode(err); code {
+	case codeIllegal:
 		return nil, fmt.Errorf("ledger: receipt %d: %w: %s", m.ID, statemachine.ErrIllegalTransition, pe.Message)
+	case codeDuplicate:
+		// planned -> submitted re-checks the duplicate guard: another
+		// receipt of the same intent went out since this one was planned.
+		return nil, fmt.Errorf("ledger: receipt %d: %s -> %s: %w", m.ID, m.From, m.To, c.duplicateError(ctx, pe))
 	}
 	return nil, fmt.Errorf("ledger: receipt %d: %s -> %s: %w", m.ID, m.From, m.To, err)
 }
 
 // Submit records that the request is about to be sent. Call it before the
 // first byte leaves: a crash after it leaves an orphan the reconciler finds.
+// The request's bytes must then be written by the returned receipt's
+// SendDeadline or not at all (Caller.Do enforces it). When another receipt
+// of the same intent (same dependency and fingerprint, planned under
+// another key) was submitted since this one was planned and is unresolved,
+// Submit refuses with the *DuplicateError Plan would have returned: the
+// receipt stays planned, and nothing may be sent.
 func (c *Client) Submit(ctx context.Context, r *Receipt) (*Receipt, error) {
 	return c.Transition(ctx, Move{ID: r.ID, From: r.State, To: statemachine.Submitted})
 }
@@ -329,10 +459,53 @@ func (c *Client) MarkUnknown(ctx context.Context, r *Receipt, d Detail) (*Receip
 	return c.Transition(ctx, Move{ID: r.ID, From: r.State, To: statemachine.OutcomeUnknown, Detail: d})
 }
 
+// RecordLateOutcome keeps, as evidence for the reconciler, the outcome this
+// client observed for a receipt it submitted that someone else (the
+// reconciler's orphan sweep) moved on before the response arrived: the
+// receipt is in outcome_unknown, reconciling or manual_review, so the
+// agent may no longer settle it, but the 2xx and its external id must not
+// be lost. The reconciler settles a receipt with a late succeeded outcome
+// as succeeded with that external id. Only the actor that submitted the
+// receipt may record one; otherwise, or in any other state, the database
+// refuses with ErrStateConflict. Late outcomes are append-only.
+func (c *Client) RecordLateOutcome(ctx context.Context, id int64, outcome Outcome, httpStatus int, externalID string, d Detail) error {
+	if !outcome.Valid() {
+		return fmt.Errorf("ledger: late outcome of receipt %d: %w: outcome %q", id, ErrInvalidIntent, outcome)
+	}
+	detail, err := json.Marshal(d)
+	if err != nil {
+		return fmt.Errorf("ledger: late outcome of receipt %d: detail: %w", id, err)
+	}
+	var status *int
+	if httpStatus != 0 {
+		status = &httpStatus
+	}
+	var ext *string
+	if externalID != "" {
+		ext = &externalID
+	}
+	_, err = c.pool.Exec(ctx, `SELECT reconciler.record_late_outcome(receipt_id => $1, actor => $2,
+		outcome => $3, http_status => $4, external_id => $5, detail => $6)`,
+		id, string(c.actor), string(outcome), status, ext, detail)
+	switch code, pe := pgCode(err); {
+	case err == nil:
+		return nil
+	case code == codeConflict:
+		return fmt.Errorf("ledger: late outcome of receipt %d: %w: %s", id, ErrStateConflict, pe.Message)
+	case code == codeNotFound:
+		return fmt.Errorf("ledger: late outcome of receipt %d: %w: %s", id, ErrNotFound, pe.Message)
+	}
+	return fmt.Errorf("ledger: late outcome of receipt %d: %w", id, err)
+}
+
 // Retry plans attempt n+1 of a safe_to_retry receipt, or of a retryable
 // rejection (see Receipt.Retryable), linked to it, under the key
 // "<logical key>#<attempt>". The intent is the previous one; pass
 // the original payload so secret fields (redacted in storage) are covered.
+// A payload whose fingerprint differs from the previous attempt's is
+// refused with ErrInvalidIntent before anything is recorded, so a wrong
+// payload never takes the step's next key: Retry with the right one still
+// works. in.MaxSendDelay applies to the new attempt.
 func (c *Client) Retry(ctx context.Context, prev *Receipt, in Intent) (*Receipt, error) {
 	if prev.State != statemachine.SafeToRetry && !prev.Retryable {
 		return nil, fmt.Errorf("ledger: retry receipt %d: %w: it is %s, neither safe_to_retry nor a retryable rejection",
@@ -340,15 +513,18 @@ func (c *Client) Retry(ctx context.Context, prev *Receipt, in Intent) (*Receipt,
 	}
 	in.IdempotencyKey = LogicalKey(prev.IdempotencyKey) + "#" + strconv.Itoa(prev.Attempt+1)
 	in.Operation, in.Dependency, in.Method, in.Target = prev.Operation, prev.Dependency, prev.Method, prev.Target
-	r, err := c.plan(ctx, in, prev.ID)
+	if err := checkIntent(in); err != nil {
+		return nil, err
+	}
+	fp, err := intentFingerprint(in)
 	if err != nil {
 		return nil, err
 	}
-	if r.Fingerprint != prev.Fingerprint {
+	if fp.Fingerprint != prev.Fingerprint {
 		return nil, fmt.Errorf("ledger: retry receipt %d: %w: the payload's fingerprint %s differs from %s",
-			prev.ID, ErrInvalidIntent, r.Fingerprint, prev.Fingerprint)
+			prev.ID, ErrInvalidIntent, fp.Fingerprint, prev.Fingerprint)
 	}
-	return r, nil
+	return c.plan(ctx, in, fp, prev.ID)
 }
 
 // Get returns the receipt with id.

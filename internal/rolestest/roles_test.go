@@ -501,17 +501,13 @@ func TestNobodyRewritesHistory(t *testing.T) {
 				_, err := c.pool.Exec(ctx, `UPDATE reconciler.receipts SET state = $2, state_actor = 'human:x' WHERE id = $1`, r.ID, to)
 				wantCode(t, c.role+": succeeded -> "+to, err, illegal)
 			}
-			// A non-move update of the granted columns records nothing and
-			// leaves the history alone.
-			tx, err := c.pool.Begin(ctx)
-			if err != nil {
-				t.Fatal(err)
-			}
-			defer func() { _ = tx.Rollback(ctx) }()
-			if _, err := tx.Exec(ctx, `UPDATE reconciler.receipts SET state_actor = 'human:x', state_detail = '{"x":1}' WHERE id = $1`, r.ID); err != nil {
-				t.Fatalf("%s: non-move update: %v", c.role, err)
-			}
-			_ = tx.Rollback(ctx)
+			// Issue 7, path 9: an update of the granted columns that is no
+			// move may not rewrite what the latest move recorded.
+			refuse(t, c.pool, rewrite, []stmt{
+				{c.role + ": non-move actor and detail", `UPDATE reconciler.receipts
+					SET state_actor = 'human:x', state_detail = '{"x":1}' WHERE id = $1`, []any{r.ID}},
+				{c.role + ": non-move external id", `UPDATE reconciler.receipts SET external_id = 'forged' WHERE id = $1`, []any{r.ID}},
+			})
 			refuse(t, c.pool, denied, forgeries(r.ID))
 		})
 	}
