@@ -192,15 +192,19 @@ func loadReceipt(ctx context.Context, url string, id int64) (readback.Receipt, s
 	var state string
 	err = tx.QueryRow(ctx, `SELECT id, idempotency_key, operation, dependency, method, target, fingerprint,
 		intent, pre_image, coalesce(external_id, ''), attempt, created_at,
-		coalesce(submitted_at, created_at), check_count, state
+		coalesce(submitted_at, created_at), coalesce(submitted_at, created_at) + max_send_delay,
+		coalesce(unknown_since, 'epoch'::timestamptz), check_count, state
 		FROM reconciler.receipts WHERE id = $1`, id).Scan(&r.ID, &r.IdempotencyKey, &r.Operation,
 		&r.Dependency, &r.Method, &r.Target, &r.Fingerprint, &r.Intent, &r.PreImage, &r.ExternalID,
-		&r.Attempt, &r.CreatedAt, &r.SubmittedAt, &r.Checks, &state)
+		&r.Attempt, &r.CreatedAt, &r.SubmittedAt, &r.SendDeadline, &r.UnknownSince, &r.Checks, &state)
 	if errors.Is(err, pgx.ErrNoRows) {
 		return readback.Receipt{}, "", nil, fmt.Errorf("receipt %d does not exist", id)
 	}
 	if err != nil {
 		return readback.Receipt{}, "", nil, fmt.Errorf("reading receipt %d: %w", id, err)
+	}
+	if r.UnknownSince.Equal(time.Unix(0, 0)) {
+		r.UnknownSince = time.Time{}
 	}
 	switch state {
 	case "succeeded", "safe_to_retry", "rejected":
