@@ -4,8 +4,10 @@
 // credentials from an environment variable or a file, timeout), how to list
 // or fetch what the receipt's call may have produced (path and query
 // templates over the receipt, its time window and its intent; pagination by
-// body cursor, Link header or page number, with a bound), where the items,
-// ids and creation times are (JSON pointers), and how to recognize the
+// body cursor, Link header, page number or offset, with a bound; an
+// absence read through a list that concurrent writes can shift is
+// confirmed), where the items, ids and creation times are (JSON pointers),
+// and how to recognize the
 // effect (a marker the agent put in the resource, or the intent's
 // fingerprint recomputed over the item's fields). Presets give the shapes of
 // Stripe-style, GitHub-style and plain REST APIs.
