@@ -155,7 +155,7 @@ func printSettled(w io.Writer, r readback.Receipt, state string, s *settlement) 
 
 func printBindings(w io.Writer, bs []readback.Binding) {
 	tw := tabwriter.NewWriter(w, 2, 4, 2, ' ', 0)
-	fmt.Fprintln(tw, "NAME\tTYPE\tKIND\tDEPENDENCY\tOPERATIONS\tABSENCE CONCLUSIVE AFTER")
+	fmt.Fprintln(tw, "NAME\tTYPE\tKIND\tDEPENDENCY\tOPERATIONS\tABSENCE CONCLUSIVE AFTER\tCONTROL")
 	for _, b := range bs {
 		ops := strings.Join(b.Operations, ",")
 		if ops == "" {
@@ -169,7 +169,15 @@ func printBindings(w io.Writer, bs []readback.Binding) {
 				after += fmt.Sprintf(" (%s with native keys, retained %s)", p.ConsistencyWindow, p.IdempotencyRetention)
 			}
 		}
-		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%s\n", b.Name, b.Type, b.Kind, b.Dependency, ops, after)
+		control := "-"
+		switch {
+		case b.Kind == readback.Blind:
+		case b.Control != nil:
+			control = "declared"
+		default:
+			control = "succeeded receipts only"
+		}
+		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%s\t%s\n", b.Name, b.Type, b.Kind, b.Dependency, ops, after, control)
 	}
 	_ = tw.Flush()
 }

@@ -255,7 +255,8 @@ func TestAdaptersCheckControl(t *testing.T) {
 		lacks    []string
 	}{
 		{"correct", write(correct, rest), 0,
-			[]string{"shop-items: passed: found item-control", "shop-undeclared: " + noControl, "shop-refunds: blind"},
+			[]string{"shop-items: passed: found item-control", "shop-undeclared: " + noControl, "shop-refunds: blind",
+				"declared", "succeeded receipts only"},
 			[]string{"failed"}},
 		{"wrong path and wrong marker", write(correct, wrongPath, wrongMarker, rest), 1,
 			[]string{"shop-items: passed", "shop-wrong-path: failed: positive control failed", "HTTP 404",

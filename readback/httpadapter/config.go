@@ -614,7 +614,9 @@ func (c *config) compilePagination(p *paginationYAML) error {
 		}
 	case "page", "offset":
 		if pg.Param == "" {
-			return fieldErr("search.pagination.param", "is required with style %s", pg.Style)
+			// Named like the style, so switching a preset's page list to
+			// offsets never sends offsets as page numbers.
+			pg.Param = pg.Style
 		}
 		if pg.Start == nil {
 			first := 1 // page numbers start at 1, offsets at 0

@@ -72,7 +72,7 @@ func withOurs(items []fakeItem, pos int) []fakeItem {
 func TestShiftedPagesNeverProveAbsence(t *testing.T) {
 	styles := map[string]string{
 		"page":   "", // the rest preset: page=1, 2, ...
-		"offset": "search:\n  pagination: {style: offset, param: offset}",
+		"offset": "search:\n  pagination: {style: offset}",
 	}
 	schedules := map[string]func(f *fakeAPI, r *http.Request){
 		"after request 1":      deleteAfter(1),

@@ -82,7 +82,7 @@ search:
   id: /id
   created_at: /created_at
   created_at_format: rfc3339
-  pagination: {style: page, param: page, max_pages: 10}
+  pagination: {style: page, max_pages: 10}
 match:
   marker: {pointer: /metadata/idempotency_key, equals: "{receipt.logical_key}"}
 `,
