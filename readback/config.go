@@ -133,7 +133,7 @@ func policyKeys() []string {
 }
 
 func adapterKeys() []string {
-	return append([]string{"name", "type", "kind", "dependency", "operations"}, policyKeys()...)
+	return append([]string{"name", "type", "kind", "dependency", "operations", "control"}, policyKeys()...)
 }
 
 type duration time.Duration
@@ -333,6 +333,13 @@ func decodeAdapter(n *yaml.Node, types Types, defaults Policy) (Binding, error) 
 			return Binding{}, &keyError{field: field, line: lineOf(n, typ), err: err}
 		}
 		b.Adapter = adapter
+	}
+	if n := mapValue(n, "control"); n != nil {
+		c, err := decodeControl(n, b)
+		if err != nil {
+			return Binding{}, err
+		}
+		b.Control = c
 	}
 	return b, nil
 }

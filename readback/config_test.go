@@ -2,8 +2,10 @@ package readback_test
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 	"math"
+	"reflect"
 	"strings"
 	"testing"
 	"time"
@@ -259,4 +261,138 @@ func TestLoadDependenciesErrors(t *testing.T) {
 	if err == nil || !strings.Contains(err.Error(), `adapters.yaml:3: dependency "github": no adapter reads this dependency (adapters read: none`) {
 		t.Errorf("dependency without adapters: %v", err)
 	}
+}
+
+// controlFile is an adapters file with one static create adapter whose
+// control block is control (YAML indented under `control:`).
+func controlFile(control string) string {
+	var b strings.Builder
+	b.WriteString("version: 1\nadapters:\n  - name: shop-items\n    type: static\n    kind: create\n    dependency: shop\n    operations: [items.create, items.import]\n    static: {verdict: present}\n    control:\n")
+	for _, line := range strings.Split(strings.Trim(control, "\n"), "\n") {
+		b.WriteString("      " + line + "\n")
+	}
+	return b.String()
+}
+
+// Issue 7, "a misconfigured adapter must not produce proof": the adapters
+// file declares a positive control, a resource known to exist described as
+// the receipt of the call that made it; the loader puts it on the binding.
+func TestLoadControl(t *testing.T) {
+	tests := []struct {
+		name, control string
+		want          readback.Receipt
+		payload       string
+	}{
+		{name: "YAML intent, defaults",
+			control: `idempotency_key: "bootstrap:shop#1:items.create"
+target: /items
+intent: {title: control lamp, price: 12}
+external_id: item-1
+submitted_at: 2026-01-02T03:04:05Z`,
+			want: readback.Receipt{IdempotencyKey: "bootstrap:shop#1:items.create", Operation: "items.create",
+				Dependency: "shop", Method: "POST", Target: "/items", ExternalID: "item-1", Attempt: 1},
+			payload: `{"price":12,"title":"control lamp"}`},
+		{name: "JSON intent, operation and method",
+			control: `idempotency_key: k
+target: /imports
+intent: '{"title": "x"}'
+submitted_at: 2026-01-02T03:04:05.5+02:00
+operation: items.import
+method: PUT`,
+			want: readback.Receipt{IdempotencyKey: "k", Operation: "items.import", Dependency: "shop",
+				Method: "PUT", Target: "/imports", Attempt: 1},
+			payload: `{"title":"x"}`},
+		{name: "no intent",
+			control: "idempotency_key: k\ntarget: /items\nsubmitted_at: 2026-01-02T03:04:05Z",
+			want: readback.Receipt{IdempotencyKey: "k", Operation: "items.create", Dependency: "shop",
+				Method: "POST", Target: "/items", Attempt: 1},
+			payload: `null`},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			reg, err := readback.Load("adapters.yaml", strings.NewReader(controlFile(tt.control)), nil)
+			if err != nil {
+				t.Fatal(err)
+			}
+			b, _ := reg.Lookup("items.create", "shop")
+			c := b.Control
+			if c == nil || c.Source != "declared" {
+				t.Fatalf("control %+v, want a declared control", c)
+			}
+			got := c.Receipt
+			if got.SubmittedAt.IsZero() || !got.CreatedAt.Equal(got.SubmittedAt) || !got.SendDeadline.Equal(got.SubmittedAt) {
+				t.Errorf("times %v %v %v, want all the declared submitted_at", got.SubmittedAt, got.CreatedAt, got.SendDeadline)
+			}
+			var intent struct {
+				Method, Target string
+				Payload        json.RawMessage
+			}
+			if err := json.Unmarshal(got.Intent, &intent); err != nil {
+				t.Fatal(err)
+			}
+			if intent.Method != tt.want.Method || intent.Target != tt.want.Target || string(intent.Payload) != tt.payload {
+				t.Errorf("intent %s, want method %s, target %s, payload %s", got.Intent, tt.want.Method, tt.want.Target, tt.payload)
+			}
+			if !strings.HasPrefix(got.Fingerprint, "sha256:") {
+				t.Errorf("fingerprint %q", got.Fingerprint)
+			}
+			got.Intent, got.Fingerprint = nil, ""
+			got.SubmittedAt, got.CreatedAt, got.SendDeadline = time.Time{}, time.Time{}, time.Time{}
+			if !reflect.DeepEqual(got, tt.want) {
+				t.Errorf("receipt %+v, want %+v", got, tt.want)
+			}
+		})
+	}
+	reg, err := readback.Load("adapters.yaml", strings.NewReader(good), nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, b := range reg.Bindings() {
+		if b.Control != nil {
+			t.Errorf("%s: a control nobody declared", b.Name)
+		}
+	}
+}
+
+// Issue 7, "a misconfigured adapter must not produce proof": a malformed
+// control fails at load with the file, the adapter, the field and the line.
+func TestLoadControlErrors(t *testing.T) {
+	base := "idempotency_key: k\ntarget: /items\nsubmitted_at: 2026-01-02T03:04:05Z\n"
+	tests := []struct {
+		name, control, field string
+	}{
+		{"unknown key", base + "idempotency: k2", "control.idempotency"},
+		{"bad time", "idempotency_key: k\ntarget: /items\nsubmitted_at: yesterday", "control.submitted_at"},
+		{"time without zone", "idempotency_key: k\ntarget: /items\nsubmitted_at: 2026-01-02 03:04:05", "control.submitted_at"},
+		{"missing key", "target: /items\nsubmitted_at: 2026-01-02T03:04:05Z", "control.idempotency_key"},
+		{"key too long", "idempotency_key: " + strings.Repeat("k", 256) + "\ntarget: /items\nsubmitted_at: 2026-01-02T03:04:05Z", "control.idempotency_key"},
+		{"missing target", "idempotency_key: k\nsubmitted_at: 2026-01-02T03:04:05Z", "control.target"},
+		{"missing time", "idempotency_key: k\ntarget: /items", "control.submitted_at"},
+		{"intent a list", base + "intent: [1, 2]", "control.intent"},
+		{"intent JSON not an object", base + "intent: '[1]'", "control.intent"},
+		{"intent a number", base + "intent: 3", "control.intent"},
+		{"bad method", base + "method: 'GET X'", "control.method"},
+		{"foreign operation", base + "operation: items.delete", "control.operation"},
+		{"key a mapping", "idempotency_key: {a: b}\ntarget: /items\nsubmitted_at: 2026-01-02T03:04:05Z", "control.idempotency_key"},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			_, err := readback.Load("adapters.yaml", strings.NewReader(controlFile(tt.control)), nil)
+			var ce *readback.ConfigError
+			if !errors.As(err, &ce) {
+				t.Fatalf("got %v, want a *readback.ConfigError", err)
+			}
+			if ce.File != "adapters.yaml" || ce.Adapter != "shop-items" || ce.Field != tt.field || ce.Line < 10 {
+				t.Fatalf("got %q (field %q, line %d), want the file, the adapter, field %q and its line", err, ce.Field, ce.Line, tt.field)
+			}
+		})
+	}
+	t.Run("blind", func(t *testing.T) {
+		_, err := readback.Load("adapters.yaml", strings.NewReader(
+			"version: 1\nadapters:\n  - name: b\n    type: blind\n    dependency: d\n    control: {idempotency_key: k, target: /x, submitted_at: 2026-01-02T03:04:05Z}\n"), nil)
+		var ce *readback.ConfigError
+		if !errors.As(err, &ce) || ce.Field != "control" || !strings.Contains(err.Error(), "blind") {
+			t.Fatalf("got %v, want a control error for a blind adapter", err)
+		}
+	})
 }

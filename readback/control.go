@@ -1,8 +1,16 @@
 package readback
 
 import (
+	"encoding/json"
 	"errors"
 	"fmt"
+	"slices"
+	"strings"
+	"time"
+
+	"go.yaml.in/yaml/v3"
+
+	"github.com/receiptledger/reconciler/fingerprint"
 )
 
 // Control is a positive control (SPEC §5a): an effect known to exist that a
@@ -42,4 +50,128 @@ func EvaluateControl(b *Binding, res Result, err error) error {
 			ErrControlFailed, b.Name, res.Verdict, res.Query)
 	}
 	return nil
+}
+
+// controlKeys are the keys of an adapter's `control` block. A function, not
+// a variable, so no caller can widen it.
+func controlKeys() []string {
+	return []string{"idempotency_key", "target", "intent", "external_id", "submitted_at", "operation", "method"}
+}
+
+// maxKeyBytes is the longest idempotency key the ledger accepts.
+const maxKeyBytes = 255
+
+// decodeControl reads the `control` block of an adapter declaration: a
+// resource known to exist, described as the receipt of the call that made
+// it, which the adapter must find. Every error names the field and line.
+func decodeControl(n *yaml.Node, b Binding) (*Control, *keyError) {
+	fail := func(field string, line int, err error) *keyError {
+		return &keyError{field: "control." + field, line: line, err: err}
+	}
+	if n.Kind != yaml.MappingNode {
+		return nil, &keyError{field: "control", line: n.Line, err: errors.New("must be a mapping (idempotency_key, target, intent, external_id, submitted_at, operation, method)")}
+	}
+	if b.Kind == Blind {
+		return nil, &keyError{field: "control", line: n.Line, err: errors.New("a blind adapter reads nothing back: no control applies")}
+	}
+	if err := checkKeys(n, controlKeys()); err != nil {
+		err.field = "control." + err.field
+		return nil, err
+	}
+	scalar := func(key string, required bool) (string, int, *keyError) {
+		v := mapValue(n, key)
+		if v == nil {
+			if required {
+				return "", n.Line, fail(key, n.Line, errors.New("is required"))
+			}
+			return "", n.Line, nil
+		}
+		if v.Kind != yaml.ScalarNode || v.Tag == "!!null" {
+			return "", v.Line, fail(key, v.Line, errors.New("must be a single value"))
+		}
+		if required && v.Value == "" {
+			return "", v.Line, fail(key, v.Line, errors.New("must not be empty"))
+		}
+		return v.Value, v.Line, nil
+	}
+	c := &Control{Source: "declared"}
+	r := &c.Receipt
+	var line int
+	var ke *keyError
+	if r.IdempotencyKey, line, ke = scalar("idempotency_key", true); ke != nil {
+		return nil, ke
+	}
+	if len(r.IdempotencyKey) > maxKeyBytes {
+		return nil, fail("idempotency_key", line, fmt.Errorf("is %d bytes; the ledger accepts at most %d", len(r.IdempotencyKey), maxKeyBytes))
+	}
+	if r.Target, _, ke = scalar("target", true); ke != nil {
+		return nil, ke
+	}
+	if r.ExternalID, _, ke = scalar("external_id", false); ke != nil {
+		return nil, ke
+	}
+	var at string
+	if at, line, ke = scalar("submitted_at", true); ke != nil {
+		return nil, ke
+	}
+	t, err := time.Parse(time.RFC3339Nano, at)
+	if err != nil {
+		return nil, fail("submitted_at", line, fmt.Errorf("want an RFC 3339 time such as 2026-01-02T15:04:05Z, got %q", at))
+	}
+	r.SubmittedAt, r.CreatedAt, r.SendDeadline = t, t, t
+	if r.Operation, line, ke = scalar("operation", false); ke != nil {
+		return nil, ke
+	}
+	switch {
+	case r.Operation == "" && len(b.Operations) > 0:
+		r.Operation = b.Operations[0]
+	case r.Operation != "" && len(b.Operations) > 0 && !slices.Contains(b.Operations, r.Operation):
+		return nil, fail("operation", line, fmt.Errorf("%q is not one of the adapter's operations (%s)", r.Operation, strings.Join(b.Operations, ", ")))
+	}
+	if r.Method, line, ke = scalar("method", false); ke != nil {
+		return nil, ke
+	}
+	if r.Method == "" {
+		r.Method = map[Kind]string{Create: "POST", Update: "PATCH", Delete: "DELETE"}[b.Kind]
+	}
+	// The intent is the payload of the call that made the resource; it is
+	// stored as the ledger stores intents, with its fingerprint.
+	payload := []byte("null")
+	iline := n.Line
+	if v := mapValue(n, "intent"); v != nil && v.Tag != "!!null" {
+		iline = v.Line
+		var doc any
+		switch {
+		case v.Kind == yaml.MappingNode:
+			if err := v.Decode(&doc); err != nil {
+				return nil, fail("intent", v.Line, err)
+			}
+		case v.Kind == yaml.ScalarNode && v.Tag == "!!str":
+			// A JSON object written as a string.
+			if err := json.Unmarshal([]byte(v.Value), &doc); err != nil {
+				return nil, fail("intent", v.Line, fmt.Errorf("want a JSON or YAML object: %w", err))
+			}
+			if _, ok := doc.(map[string]any); !ok {
+				return nil, fail("intent", v.Line, errors.New("want a JSON or YAML object"))
+			}
+		default:
+			return nil, fail("intent", v.Line, errors.New("want a JSON or YAML object (the payload of the call)"))
+		}
+		if payload, err = json.Marshal(doc); err != nil {
+			return nil, fail("intent", v.Line, fmt.Errorf("cannot be written as JSON: %w", err))
+		}
+	}
+	fp, err := fingerprint.Compute(r.Method, r.Target, payload)
+	if err != nil {
+		field, l := "intent", iline
+		if errors.Is(err, fingerprint.ErrInvalidMethod) {
+			field, l = "method", lineOf(n, "method")
+		} else if errors.Is(err, fingerprint.ErrInvalidTarget) {
+			field, l = "target", lineOf(n, "target")
+		}
+		return nil, fail(field, l, err)
+	}
+	r.Fingerprint, r.Intent = fp.Fingerprint, json.RawMessage(fp.Intent)
+	r.Dependency, r.Attempt = b.Dependency, 1
+	return c, nil
 }

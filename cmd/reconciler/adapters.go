@@ -24,14 +24,20 @@ func adaptersCommand() *cli.Command {
 		Usage: "inspect readback adapter configurations",
 		Subcommands: []*cli.Command{{
 			Name:  "check",
-			Usage: "validate an adapters file; with --receipt, run one readback and show what it would decide",
+			Usage: "validate an adapters file; with --control, run the declared positive controls; with --receipt, run one readback and show what it would decide",
 			Description: "Without --receipt, loads the file exactly as `run` does and lists the adapters. " +
+				"With --control, runs each adapter's declared positive control (a resource known to exist, " +
+				"which a correct configuration must find) and prints passed or failed and why; the exit status " +
+				"is 1 when a declared control fails. " +
 				"With --receipt ID, reads that receipt (read-only), runs its adapter once against the real API, " +
-				"and prints the verdict, the evidence and the decision the reconciler would take now. " +
+				"and prints the verdict, the evidence and the decision the reconciler would take now; a receipt " +
+				"already settled (succeeded, safe_to_retry, rejected) is not read back: the command says how " +
+				"and when it was settled. " +
 				"Nothing is written: the receipt, its history and the check records are left as they are.",
 			Flags: []cli.Flag{
 				&cli.StringFlag{Name: "config", Required: true, EnvVars: []string{"RECONCILER_ADAPTERS"},
 					Usage: "adapters file (YAML)"},
+				&cli.BoolFlag{Name: "control", Usage: "run every adapter's declared positive control against the real API"},
 				&cli.Int64Flag{Name: "receipt", Usage: "run one readback for this receipt id"},
 				&cli.StringFlag{Name: "database-url", EnvVars: []string{"RECONCILER_DATABASE_URL"},
 					Usage: "Postgres URL of the receipt ledger (with --receipt)"},
@@ -57,25 +63,99 @@ func adaptersCheckAction(c *cli.Context) error {
 	fmt.Fprintf(out, "%s: valid, %d adapter(s)\n", path, len(bindings))
 	printBindings(out, bindings)
 	fmt.Fprint(out, limits.String())
-	if !c.IsSet("receipt") {
-		return nil
-	}
 	url := c.String("database-url")
-	if url == "" {
+	if c.IsSet("receipt") && url == "" {
 		return cli.Exit("adapters check: --receipt needs --database-url (or RECONCILER_DATABASE_URL)", 2)
 	}
-	ctx, cancel := context.WithTimeout(c.Context, c.Duration("timeout")+10*time.Second)
-	defer cancel()
-	r, state, err := loadReceipt(ctx, url, c.Int64("receipt"))
-	if err != nil {
-		return cli.Exit(fmt.Sprintf("adapters check: %v", err), 1)
+	failed := 0
+	if c.Bool("control") {
+		failed = runControls(c.Context, out, bindings, c.Duration("timeout"))
 	}
-	return explain(ctx, out, reg, r, state, c.Duration("timeout"), time.Now())
+	if c.IsSet("receipt") {
+		ctx, cancel := context.WithTimeout(c.Context, c.Duration("timeout")+10*time.Second)
+		defer cancel()
+		r, state, settled, err := loadReceipt(ctx, url, c.Int64("receipt"))
+		if err != nil {
+			return cli.Exit(fmt.Sprintf("adapters check: %v", err), 1)
+		}
+		if settled != nil {
+			printSettled(out, r, state, settled)
+		} else if err := explain(ctx, out, reg, r, state, c.Duration("timeout"), time.Now()); err != nil {
+			return err
+		}
+	}
+	if failed > 0 {
+		return cli.Exit(fmt.Sprintf("adapters check: %d declared control(s) failed: "+
+			"until they pass, these adapters cannot prove an absence", failed), 1)
+	}
+	return nil
+}
+
+// noControl is what `adapters check --control` says of an adapter that
+// declares no control.
+const noControl = "no declared control: the reconciler uses receipts of the same operation that settled " +
+	"succeeded from a 2xx response; declare one to bootstrap a new deployment"
+
+// runControls runs each binding's declared positive control once and prints
+// the outcome per adapter; it returns how many declared controls failed.
+func runControls(ctx context.Context, w io.Writer, bs []readback.Binding, timeout time.Duration) int {
+	fmt.Fprintln(w, "\npositive controls:")
+	failed := 0
+	for i := range bs {
+		b := &bs[i]
+		switch {
+		case b.Kind == readback.Blind:
+			fmt.Fprintf(w, "  %s: blind: nothing is read back, no control applies\n", b.Name)
+			continue
+		case b.Control == nil:
+			fmt.Fprintf(w, "  %s: %s\n", b.Name, noControl)
+			continue
+		}
+		r := b.Control.Receipt
+		cctx, cancel := context.WithTimeout(ctx, timeout)
+		res, err := b.Adapter.Check(cctx, r)
+		cancel()
+		if cerr := readback.EvaluateControl(b, res, err); cerr != nil {
+			failed++
+			fmt.Fprintf(w, "  %s: failed: %v\n    the declared resource: key %q, target %s, made at %s\n",
+				b.Name, cerr, r.IdempotencyKey, r.Target, r.SubmittedAt.UTC().Format(time.RFC3339))
+			if err == nil && res.Evidence != nil {
+				if j, jerr := json.Marshal(res.Evidence); jerr == nil {
+					fmt.Fprintf(w, "    evidence: %s\n", j)
+				}
+			}
+			fmt.Fprint(w, "    a correct configuration finds it: check base_url, the path, the filters and the marker; "+
+				"until a control passes, no absence this adapter reads settles anything safe_to_retry\n")
+			continue
+		}
+		fmt.Fprintf(w, "  %s: passed: found %s (query %s)\n", b.Name, strings.Join(res.ExternalIDs, ", "), res.Query)
+	}
+	return failed
+}
+
+// settlement is how and when a settled receipt was settled: its last move.
+type settlement struct {
+	at     time.Time
+	actor  string
+	reason string
+}
+
+// printSettled says that r is settled instead of deciding anything.
+func printSettled(w io.Writer, r readback.Receipt, state string, s *settlement) {
+	fmt.Fprintf(w, "\nreceipt %d: %s on %s is already settled: %s at %s by %s",
+		r.ID, r.Operation, r.Dependency, state, s.at.UTC().Format(time.RFC3339), s.actor)
+	if s.reason != "" {
+		fmt.Fprintf(w, " (%s)", s.reason)
+	}
+	if r.ExternalID != "" {
+		fmt.Fprintf(w, ", external id %s", r.ExternalID)
+	}
+	fmt.Fprintln(w, "\nnothing to decide: only a receipt whose outcome is unknown is read back; no readback was run and nothing was changed")
 }
 
 func printBindings(w io.Writer, bs []readback.Binding) {
 	tw := tabwriter.NewWriter(w, 2, 4, 2, ' ', 0)
-	fmt.Fprintln(tw, "NAME\tTYPE\tKIND\tDEPENDENCY\tOPERATIONS\tABSENCE CONCLUSIVE AFTER")
+	fmt.Fprintln(tw, "NAME\tTYPE\tKIND\tDEPENDENCY\tOPERATIONS\tABSENCE CONCLUSIVE AFTER\tCONTROL")
 	for _, b := range bs {
 		ops := strings.Join(b.Operations, ",")
 		if ops == "" {
@@ -89,39 +169,64 @@ func printBindings(w io.Writer, bs []readback.Binding) {
 				after += fmt.Sprintf(" (%s with native keys, retained %s)", p.ConsistencyWindow, p.IdempotencyRetention)
 			}
 		}
-		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%s\n", b.Name, b.Type, b.Kind, b.Dependency, ops, after)
+		control := "-"
+		switch {
+		case b.Kind == readback.Blind:
+		case b.Control != nil:
+			control = "declared"
+		default:
+			control = "succeeded receipts only"
+		}
+		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%s\t%s\n", b.Name, b.Type, b.Kind, b.Dependency, ops, after, control)
 	}
 	_ = tw.Flush()
 }
 
 // loadReceipt reads one receipt in a read-only transaction: this command
-// must never change the ledger.
-func loadReceipt(ctx context.Context, url string, id int64) (readback.Receipt, string, error) {
+// must never change the ledger. For a settled receipt (succeeded,
+// safe_to_retry, rejected) it also returns its settling move.
+func loadReceipt(ctx context.Context, url string, id int64) (readback.Receipt, string, *settlement, error) {
 	conn, err := pgx.Connect(ctx, url)
 	if err != nil {
-		return readback.Receipt{}, "", fmt.Errorf("database: %w", err) // pgx redacts passwords
+		return readback.Receipt{}, "", nil, fmt.Errorf("database: %w", err) // pgx redacts passwords
 	}
 	defer conn.Close(context.Background())
 	tx, err := conn.BeginTx(ctx, pgx.TxOptions{AccessMode: pgx.ReadOnly})
 	if err != nil {
-		return readback.Receipt{}, "", fmt.Errorf("database: %w", err)
+		return readback.Receipt{}, "", nil, fmt.Errorf("database: %w", err)
 	}
 	defer func() { _ = tx.Rollback(context.Background()) }()
 	var r readback.Receipt
 	var state string
 	err = tx.QueryRow(ctx, `SELECT id, idempotency_key, operation, dependency, method, target, fingerprint,
 		intent, pre_image, coalesce(external_id, ''), attempt, created_at,
-		coalesce(submitted_at, created_at), check_count, state
+		coalesce(submitted_at, created_at), coalesce(submitted_at, created_at) + max_send_delay,
+		coalesce(unknown_since, 'epoch'::timestamptz), check_count, state
 		FROM reconciler.receipts WHERE id = $1`, id).Scan(&r.ID, &r.IdempotencyKey, &r.Operation,
 		&r.Dependency, &r.Method, &r.Target, &r.Fingerprint, &r.Intent, &r.PreImage, &r.ExternalID,
-		&r.Attempt, &r.CreatedAt, &r.SubmittedAt, &r.Checks, &state)
+		&r.Attempt, &r.CreatedAt, &r.SubmittedAt, &r.SendDeadline, &r.UnknownSince, &r.Checks, &state)
 	if errors.Is(err, pgx.ErrNoRows) {
-		return readback.Receipt{}, "", fmt.Errorf("receipt %d does not exist", id)
+		return readback.Receipt{}, "", nil, fmt.Errorf("receipt %d does not exist", id)
 	}
 	if err != nil {
-		return readback.Receipt{}, "", fmt.Errorf("reading receipt %d: %w", id, err)
+		return readback.Receipt{}, "", nil, fmt.Errorf("reading receipt %d: %w", id, err)
 	}
-	return r, state, nil
+	if r.UnknownSince.Equal(time.Unix(0, 0)) {
+		r.UnknownSince = time.Time{}
+	}
+	switch state {
+	case "succeeded", "safe_to_retry", "rejected":
+	default:
+		return r, state, nil, nil
+	}
+	var s settlement
+	err = tx.QueryRow(ctx, `SELECT at, actor, coalesce(detail->>'reason', '')
+		FROM reconciler.receipt_events WHERE receipt_id = $1 AND to_state = $2
+		ORDER BY seq DESC LIMIT 1`, id, state).Scan(&s.at, &s.actor, &s.reason)
+	if err != nil {
+		return readback.Receipt{}, "", nil, fmt.Errorf("reading the history of receipt %d: %w", id, err)
+	}
+	return r, state, &s, nil
 }
 
 // explain runs one check of r and prints the answer and what the

@@ -9,6 +9,7 @@ import (
 	"os"
 	"path/filepath"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -16,6 +17,7 @@ import (
 
 	"github.com/receiptledger/reconciler/internal/pgtest"
 	"github.com/receiptledger/reconciler/ledger"
+	"github.com/receiptledger/reconciler/statemachine"
 )
 
 const adaptersSecret = "tok_cli_SECRET_never_printed"
@@ -170,5 +172,202 @@ func TestAdaptersCheckReceipt(t *testing.T) {
 	code, out, _ = runCLI(t, "", "adapters", "check", "--config", path, "--receipt", "999999", "--database-url", url)
 	if code != 1 || strings.Contains(out, "decision") {
 		t.Errorf("unknown receipt: exit %d, %s", code, out)
+	}
+}
+
+// controlAPI is a fake REST API that knows the truth: it holds exactly the
+// items given, at /items, and answers 404 anywhere else.
+func controlAPI(t *testing.T, items ...map[string]any) (*httptest.Server, *[]string) {
+	t.Helper()
+	var mu sync.Mutex
+	var seen []string
+	api := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, req *http.Request) {
+		mu.Lock()
+		seen = append(seen, req.URL.RequestURI())
+		mu.Unlock()
+		if req.URL.Path != "/items" || req.Header.Get("Authorization") != "Bearer "+adaptersSecret {
+			w.WriteHeader(http.StatusNotFound)
+			return
+		}
+		out := []map[string]any{}
+		if req.URL.Query().Get("page") == "1" {
+			out = items
+		}
+		_ = json.NewEncoder(w).Encode(map[string]any{"items": out})
+	}))
+	t.Cleanup(api.Close)
+	return api, &seen
+}
+
+// Issue 7, "a misconfigured adapter must not produce proof": `adapters
+// check --control` runs every declared control against the real API; a
+// wrong path or a wrong marker fails it (exit 1, with why), a correct
+// configuration passes, and an adapter without one is told how to bootstrap.
+func TestAdaptersCheckControl(t *testing.T) {
+	t.Setenv("SHOP_TOKEN", adaptersSecret)
+	made := time.Now().Add(-time.Hour).UTC().Truncate(time.Second)
+	api, _ := controlAPI(t, map[string]any{"id": "item-control", "created_at": made.Format(time.RFC3339),
+		"metadata": map[string]any{"idempotency_key": "bootstrap:shop-control:items.create"}})
+	adapter := func(name, op, target, extra string) string {
+		return fmt.Sprintf(`  - name: %s
+    type: http
+    kind: create
+    dependency: shop-api
+    operations: [%s]
+    http:
+      preset: rest
+      base_url: %s
+      auth: {env: SHOP_TOKEN}
+%s    control:
+      idempotency_key: "bootstrap:shop-control:items.create#2"
+      target: %s
+      intent: {title: control lamp}
+      submitted_at: %s
+`, name, op, api.URL, extra, target, made.Format(time.RFC3339))
+	}
+	correct := adapter("shop-items", "items.create", "/items", "")
+	wrongPath := adapter("shop-wrong-path", "items.copy", "/itemz", "")
+	wrongMarker := adapter("shop-wrong-marker", "items.move", "/items",
+		"      match: {marker: {pointer: /metadata/ref, equals: \"{receipt.logical_key}\"}}\n")
+	rest := `  - name: shop-undeclared
+    type: http
+    kind: create
+    dependency: shop-api
+    operations: [items.other]
+    http: {preset: rest, base_url: ` + api.URL + `, auth: {env: SHOP_TOKEN}}
+  - name: shop-refunds
+    type: blind
+    dependency: shop-api
+    operations: [refunds.create]
+`
+	write := func(adapters ...string) string {
+		path := filepath.Join(t.TempDir(), "adapters.yaml")
+		if err := os.WriteFile(path, []byte("version: 1\nadapters:\n"+strings.Join(adapters, "")), 0o600); err != nil {
+			t.Fatal(err)
+		}
+		return path
+	}
+	tests := []struct {
+		name     string
+		file     string
+		code     int
+		contains []string
+		lacks    []string
+	}{
+		{"correct", write(correct, rest), 0,
+			[]string{"shop-items: passed: found item-control", "shop-undeclared: " + noControl, "shop-refunds: blind",
+				"declared", "succeeded receipts only"},
+			[]string{"failed"}},
+		{"wrong path and wrong marker", write(correct, wrongPath, wrongMarker, rest), 1,
+			[]string{"shop-items: passed", "shop-wrong-path: failed: positive control failed", "HTTP 404",
+				"shop-wrong-marker: failed: positive control failed", "answered absent",
+				"2 declared control(s) failed"},
+			nil},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			code, out, errOut := runCLI(t, "", "adapters", "check", "--config", tt.file, "--control")
+			all := out + errOut
+			if code != tt.code {
+				t.Fatalf("exit %d, want %d:\n%s", code, tt.code, all)
+			}
+			for _, c := range tt.contains {
+				if !strings.Contains(all, c) {
+					t.Errorf("output lacks %q:\n%s", c, all)
+				}
+			}
+			for _, c := range tt.lacks {
+				if strings.Contains(all, c) {
+					t.Errorf("output has %q:\n%s", c, all)
+				}
+			}
+			if strings.Contains(all, adaptersSecret) {
+				t.Errorf("the secret is printed:\n%s", all)
+			}
+		})
+	}
+	// Without --control nothing is sent.
+	_, seen := controlAPI(t)
+	if code, out, _ := runCLI(t, "", "adapters", "check", "--config", write(correct)); code != 0 || strings.Contains(out, "passed") || len(*seen) != 0 {
+		t.Errorf("without --control: exit %d, %s", code, out)
+	}
+}
+
+// Issue 7, "a misconfigured adapter must not produce proof": `adapters
+// check --receipt` on a receipt already settled says how, when and by whom,
+// and decides nothing: no readback, no change.
+func TestAdaptersCheckSettledReceipt(t *testing.T) {
+	t.Setenv("SHOP_TOKEN", adaptersSecret)
+	url := pgtest.NewDatabase(t)
+	db := pgtest.Pool(t, url)
+	agent, err := ledger.New(db, "agent:cli-test")
+	if err != nil {
+		t.Fatal(err)
+	}
+	worker := agent.As("reconciler:cli-test")
+	ctx := context.Background()
+	unknown := func(step string) *ledger.Receipt {
+		t.Helper()
+		r, err := agent.Plan(ctx, ledger.Intent{IdempotencyKey: ledger.Key("task-s", step, "items.create"),
+			Operation: "items.create", Dependency: "shop-api", Method: "POST", Target: "/items",
+			Payload: json.RawMessage(`{"title":"` + step + `"}`)})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if r, err = agent.Submit(ctx, r); err != nil {
+			t.Fatal(err)
+		}
+		return r
+	}
+	succeeded, err := agent.Succeed(ctx, unknown("ok"), "item-9", ledger.Detail{Reason: "http_2xx"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	rejected, err := agent.Reject(ctx, unknown("no"), ledger.Detail{Reason: "http_4xx"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	safe, err := agent.MarkUnknown(ctx, unknown("lost"), ledger.Detail{Reason: "timeout"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, to := range []statemachine.State{statemachine.Reconciling, statemachine.SafeToRetry} {
+		if safe, err = worker.Transition(ctx, ledger.Move{ID: safe.ID, From: safe.State, To: to,
+			Detail: ledger.Detail{Reason: "absent (" + string(to) + ")"}}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	api, seen := controlAPI(t)
+	path := writeAdapters(t, api.URL)
+	for _, tt := range []struct {
+		r    *ledger.Receipt
+		want []string
+	}{
+		{succeeded, []string{"already settled: succeeded at ", "by agent:cli-test (http_2xx), external id item-9"}},
+		{rejected, []string{"already settled: rejected at ", "by agent:cli-test (http_4xx)"}},
+		{safe, []string{"already settled: safe_to_retry at ", "by reconciler:cli-test (absent (safe_to_retry))"}},
+	} {
+		t.Run(string(tt.r.State), func(t *testing.T) {
+			before := snapshot(t, db, tt.r.ID)
+			code, out, errOut := runCLI(t, "", "adapters", "check", "--config", path,
+				"--receipt", fmt.Sprint(tt.r.ID), "--database-url", url)
+			if code != 0 {
+				t.Fatalf("exit %d: %s %s", code, out, errOut)
+			}
+			for _, w := range append(tt.want, "nothing to decide", "no readback was run") {
+				if !strings.Contains(out, w) {
+					t.Errorf("output lacks %q:\n%s", w, out)
+				}
+			}
+			if strings.Contains(out, "decision:") || strings.Contains(out, "verdict:") {
+				t.Errorf("a settled receipt was decided again:\n%s", out)
+			}
+			if after := snapshot(t, db, tt.r.ID); after != before {
+				t.Errorf("the database changed:\nbefore %s\nafter  %s", before, after)
+			}
+		})
+	}
+	if len(*seen) != 0 {
+		t.Errorf("the API was read for settled receipts: %q", *seen)
 	}
 }

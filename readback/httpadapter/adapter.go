@@ -4,8 +4,10 @@
 // credentials from an environment variable or a file, timeout), how to list
 // or fetch what the receipt's call may have produced (path and query
 // templates over the receipt, its time window and its intent; pagination by
-// body cursor, Link header or page number, with a bound), where the items,
-// ids and creation times are (JSON pointers), and how to recognize the
+// body cursor, Link header, page number or offset, with a bound; an
+// absence read through a list that concurrent writes can shift is
+// confirmed), where the items, ids and creation times are (JSON pointers),
+// and how to recognize the
 // effect (a marker the agent put in the resource, or the intent's
 // fingerprint recomputed over the item's fields). Presets give the shapes of
 // Stripe-style, GitHub-style and plain REST APIs.
@@ -27,6 +29,7 @@ import (
 	"net/http"
 	"net/url"
 	"os"
+	"slices"
 	"strconv"
 	"strings"
 	"time"
@@ -163,6 +166,17 @@ type Evidence struct {
 	// bound stopped the search before the end of the list.
 	Pages     int  `json:"pages,omitempty"`
 	Truncated bool `json:"truncated,omitempty"`
+	// Passes is how many times the whole list was read, PassItems the items
+	// each pass saw. A list whose pages concurrent writes can shift (page
+	// numbers, offsets) is read twice unless one read suffices.
+	Passes    int   `json:"passes,omitempty"`
+	PassItems []int `json:"pass_items,omitempty"`
+	// Confirmation says why an absence read through such a list is
+	// authoritative: "single_response" (the first response was the whole
+	// list), "narrowed" (the query asks for the receipt's key and every
+	// item returned carries the marker) or "two_passes" (two full reads
+	// saw the same items in the same order).
+	Confirmation string `json:"confirmation,omitempty"`
 	// Items is the number of items seen, OutsideWindow how many of them were
 	// ignored because they were created outside the receipt's window.
 	Items         int `json:"items,omitempty"`
@@ -177,7 +191,7 @@ type Evidence struct {
 	// Fields compares an update's fields: for each resource pointer,
 	// "intended", "pre_image" or "other".
 	Fields map[string]string `json:"fields,omitempty"`
-	// Reason explains a diverged or inconclusive answer.
+	// Reason explains a diverged, inconclusive or non-authoritative answer.
 	Reason string `json:"reason,omitempty"`
 }
 
@@ -220,19 +234,32 @@ func decodeJSON(b []byte, v any) error {
 	return d.Decode(v)
 }
 
-// buildURL renders path and query against the receipt.
+// buildURL renders path and query against the receipt. Every substituted
+// value but {receipt.target} is one path segment: escaped with
+// url.PathEscape, and kept escaped (RawPath), so a key holding '/' never
+// becomes two segments. A path with a "." or ".." segment is refused: it
+// would read another resource than the one named.
 func (a *Adapter) buildURL(sc *scope, path template, query map[string]template) (*url.URL, error) {
 	p, err := path.render(sc, true)
 	if err != nil {
 		return nil, readback.PermanentError(err)
 	}
-	u := *a.cfg.base
 	rel, err := url.Parse(p)
-	if err != nil || rel.Host != "" || rel.Scheme != "" {
+	if err != nil || rel.Host != "" || rel.Scheme != "" || rel.Opaque != "" || rel.User != nil || rel.Fragment != "" {
 		return nil, readback.PermanentError(fmt.Errorf("path %q is not a path on %s", p, a.cfg.base.Host))
 	}
-	u.Path = strings.TrimRight(u.Path, "/") + "/" + strings.TrimLeft(rel.Path, "/")
-	u.RawPath = ""
+	escaped := rel.EscapedPath()
+	for _, seg := range strings.Split(escaped, "/") {
+		if dec, err := url.PathUnescape(seg); err == nil && (dec == "." || dec == "..") {
+			return nil, readback.PermanentError(fmt.Errorf("path %q has a %q segment: it would name another resource", p, dec))
+		}
+	}
+	u := *a.cfg.base
+	raw := strings.TrimRight(a.cfg.base.EscapedPath(), "/") + "/" + strings.TrimLeft(escaped, "/")
+	if u.Path, err = url.PathUnescape(raw); err != nil {
+		return nil, readback.PermanentError(fmt.Errorf("path %q: %w", p, err))
+	}
+	u.RawPath = raw
 	q := rel.Query()
 	for k, t := range query {
 		v, err := t.render(sc, false)
@@ -387,6 +414,16 @@ func firstNonEmpty(s ...string) string {
 }
 
 // search lists the candidates page by page and matches them.
+//
+// An absence is authoritative only if the read covered every candidate
+// (SPEC §5a): not truncated by max_pages, read to the list's declared end
+// (a cursor list whose has_more is missing, or a page-number list whose
+// server ignores the page parameter, is not), and, for a list whose pages
+// concurrent writes can shift (page numbers, offsets, Link headers carrying
+// them), confirmed: the whole list came in one response, or the query is
+// narrowed to the receipt's key and every item returned carries the marker,
+// or a second full pass, begun after the first ended, saw the same items in
+// the same order.
 func (a *Adapter) search(ctx context.Context, sc *scope) (readback.Result, error) {
 	s := a.cfg.search
 	pg := a.cfg.pagination
@@ -394,7 +431,7 @@ func (a *Adapter) search(ctx context.Context, sc *scope) (readback.Result, error
 	if err != nil {
 		return readback.Result{}, err
 	}
-	if pg.Style == "page" {
+	if pg.Style == "page" || pg.Style == "offset" {
 		// Ask for the first page explicitly: APIs differ on the default.
 		q := first.Query()
 		q.Set(pg.Param, strconv.Itoa(*pg.Start))
@@ -403,133 +440,263 @@ func (a *Adapter) search(ctx context.Context, sc *scope) (readback.Result, error
 	start, end := sc.start.UTC(), sc.end.UTC()
 	ev := &Evidence{WindowStart: &start, WindowEnd: &end}
 	res := readback.Result{Query: s.method + " " + first.Redacted(), Evidence: ev}
-	matcher, err := a.matcher(sc)
+	m, err := a.matcher(sc)
 	if err != nil {
 		return readback.Result{}, err
 	}
-	seen := map[string]bool{}
-	u := first
-	page := 0
-	if pg.Start != nil {
-		page = *pg.Start
+	present := func(p *pass) (readback.Result, error) {
+		res.ExternalIDs, ev.MatchedBy = p.matches, p.matchedBy
+		res.Verdict, res.Authoritative = readback.VerdictPresent, true
+		return res, nil
 	}
+	// incomplete: nothing found in what was read, but the read did not
+	// cover the list: never proof.
+	incomplete := func(p *pass) (readback.Result, error) {
+		ev.Truncated, ev.Reason = p.truncated, p.incomplete
+		res.Verdict, res.Authoritative = readback.VerdictAbsent, false
+		return res, nil
+	}
+	p1, err := a.readPass(ctx, sc, first, m, ev)
+	if err != nil {
+		return readback.Result{}, err
+	}
+	switch {
+	case len(p1.matches) > 0:
+		return present(p1)
+	case p1.incomplete != "":
+		return incomplete(p1)
+	case !a.cfg.shiftable():
+		// Cursors and a single unpaged response cannot skip an item.
+		res.Verdict, res.Authoritative = readback.VerdictAbsent, true
+		return res, nil
+	case p1.requests == 1:
+		// The first response was the whole list: no page boundary for a
+		// concurrent write to shift an item across.
+		ev.Confirmation = "single_response"
+		res.Verdict, res.Authoritative = readback.VerdictAbsent, true
+		return res, nil
+	case s.narrowed && p1.nonEmpty <= 1 && p1.foreign == 0:
+		// The query asks for the receipt's key and the server honoured it
+		// (every item returned carries the marker, none in the window): only
+		// the key's own resources could shift, and there was one page of them.
+		ev.Confirmation = "narrowed"
+		res.Verdict, res.Authoritative = readback.VerdictAbsent, true
+		return res, nil
+	}
+	// A page-number or offset list can skip an item under concurrent
+	// writes (one deleted on page 1 shifts ours back onto page 1 after it
+	// was read): read it all again, after the first pass ended.
+	p2, err := a.readPass(ctx, sc, first, m, ev)
+	if err != nil {
+		return readback.Result{}, err
+	}
+	switch {
+	case len(p2.matches) > 0:
+		return present(p2)
+	case p2.incomplete != "":
+		return incomplete(p2)
+	case !slices.Equal(p1.ids, p2.ids):
+		ev.Reason = fmt.Sprintf("the list changed between two passes (%d items, then %d): "+
+			"a %s list can skip items under concurrent writes, so its absence is not proof; "+
+			"narrow the search to the receipt's key to avoid the second pass", len(p1.ids), len(p2.ids), pg.Style)
+		res.Verdict, res.Authoritative = readback.VerdictInconclusive, false
+		return res, nil
+	}
+	ev.Confirmation = "two_passes"
+	res.Verdict, res.Authoritative = readback.VerdictAbsent, true
+	return res, nil
+}
+
+// pass is one read of the whole list, from its first page to its end.
+type pass struct {
+	requests int
+	// nonEmpty counts the pages that held at least one item.
+	nonEmpty int
+	// ids are every item's identity, in the order served (duplicates
+	// kept): two passes agree when these are equal.
+	ids []string
+	// foreign counts the items that do not carry the receipt's marker.
+	foreign   int
+	matches   []string
+	matchedBy string
+	// truncated: max_pages stopped the pass; incomplete says why the pass
+	// did not reach the end of the list ("" when it did).
+	truncated  bool
+	incomplete string
+}
+
+// readPass reads the list once, from first to its end or the page bound,
+// adding what it saw to ev.
+func (a *Adapter) readPass(ctx context.Context, sc *scope, first *url.URL, m *itemMatcher, ev *Evidence) (*pass, error) {
+	s := a.cfg.search
+	pg := a.cfg.pagination
+	p := &pass{}
+	ev.Passes++
+	defer func() { ev.PassItems = append(ev.PassItems, len(p.ids)) }()
+	seen := map[string]bool{}
+	var prevPage []string
+	u := first
+	page := *pg.Start
 	for {
 		resp, err := a.do(ctx, s.method, u, nil)
 		if err != nil {
-			return readback.Result{}, err
+			return nil, err
 		}
+		p.requests++
 		ev.Pages++
 		var doc any
 		if err := decodeJSON(resp.body, &doc); err != nil {
 			// A cut or garbled page may be a proxy's fault: ask again later.
-			return readback.Result{}, readback.TransientError(fmt.Errorf("%s: response is not JSON: %w", u.Redacted(), err), 0)
+			return nil, readback.TransientError(fmt.Errorf("%s: response is not JSON: %w", u.Redacted(), err), 0)
 		}
 		raw, ok := s.items.get(doc)
 		list, isList := raw.([]any)
 		if !ok || !isList {
-			return readback.Result{}, readback.PermanentError(fmt.Errorf("%s: items pointer %q does not name a list in the response", u.Redacted(), s.items.text))
+			return nil, readback.PermanentError(fmt.Errorf("%s: items pointer %q does not name a list in the response", u.Redacted(), s.items.text))
 		}
+		if len(list) > 0 {
+			p.nonEmpty++
+		}
+		pageIDs := make([]string, 0, len(list))
 		for i, item := range list {
 			ev.Items++
+			pageIDs = append(pageIDs, identity(item, s.id))
+			if !m.marker(item) {
+				p.foreign++
+			}
 			created, err := a.createdAt(item)
 			if err != nil {
-				return readback.Result{}, readback.PermanentError(fmt.Errorf("%s: item %d: %w", u.Redacted(), i, err))
+				return nil, readback.PermanentError(fmt.Errorf("%s: item %d: %w", u.Redacted(), i, err))
 			}
 			if created.Before(sc.start) || created.After(sc.end) {
 				ev.OutsideWindow++
 				continue
 			}
-			by, err := matcher(item)
+			by, err := m.match(item)
 			if err != nil {
-				return readback.Result{}, readback.PermanentError(fmt.Errorf("%s: item %d: %w", u.Redacted(), i, err))
+				return nil, readback.PermanentError(fmt.Errorf("%s: item %d: %w", u.Redacted(), i, err))
 			}
 			if by == "" {
 				continue
 			}
 			id, err := idOf(item, s.id)
 			if err != nil {
-				return readback.Result{}, readback.PermanentError(fmt.Errorf("%s: item %d: %w", u.Redacted(), i, err))
+				return nil, readback.PermanentError(fmt.Errorf("%s: item %d: %w", u.Redacted(), i, err))
 			}
 			if !seen[id] { // pages may overlap when the list moves under us
 				seen[id] = true
-				res.ExternalIDs = append(res.ExternalIDs, id)
-				ev.MatchedBy = by
+				p.matches = append(p.matches, id)
+				p.matchedBy = by
 			}
 		}
-		next, err := a.nextPage(first, u, doc, resp.header, len(list), &page)
+		p.ids = append(p.ids, pageIDs...)
+		if (pg.Style == "page" || pg.Style == "offset") && len(pageIDs) > 0 && slices.Equal(pageIDs, prevPage) {
+			// A static list: the server answers every page with the same
+			// items, so the list has no end to read up to.
+			p.incomplete = fmt.Sprintf("page %d holds the same items as the page before it: the server ignores the %q parameter "+
+				"(check search.pagination.param), so the list cannot be read to its end", p.requests, pg.Param)
+			return p, nil
+		}
+		prevPage = pageIDs
+		next, why, err := a.nextPage(first, u, doc, resp.header, len(list), &page)
 		if err != nil {
-			return readback.Result{}, err
+			return nil, err
+		}
+		if why != "" {
+			p.incomplete = fmt.Sprintf("page %d: %s", p.requests, why)
+			return p, nil
 		}
 		if next == nil {
-			break
+			return p, nil
 		}
-		if ev.Pages >= pg.MaxPages {
-			ev.Truncated = true
-			break
+		if next.String() == u.String() {
+			p.incomplete = fmt.Sprintf("page %d: the next page is the page just read, so the list cannot be read to its end", p.requests)
+			return p, nil
+		}
+		if p.requests >= pg.MaxPages {
+			p.truncated = true
+			p.incomplete = fmt.Sprintf("page bound (%d) reached before the end of the list", pg.MaxPages)
+			return p, nil
 		}
 		u = next
 	}
-	if len(res.ExternalIDs) > 0 {
-		res.Verdict, res.Authoritative = readback.VerdictPresent, true
-		return res, nil
+}
+
+// identity names an item for comparing two passes: its id, or its JSON
+// when it has none.
+func identity(item any, id pointer) string {
+	if s, err := idOf(item, id); err == nil {
+		return "id:" + s
 	}
-	// An absence is only proof when the whole window was listed.
-	res.Verdict, res.Authoritative = readback.VerdictAbsent, !ev.Truncated
-	if ev.Truncated {
-		ev.Reason = fmt.Sprintf("page bound (%d) reached before the end of the list", pg.MaxPages)
-	}
-	return res, nil
+	b, _ := json.Marshal(item)
+	return "json:" + string(b)
 }
 
 // nextPage returns the next page's URL, or nil at the end of the list.
-func (a *Adapter) nextPage(first, cur *url.URL, doc any, h http.Header, n int, page *int) (*url.URL, error) {
+// why is set when the page does not say whether the list goes on: the
+// list was not read to its end.
+func (a *Adapter) nextPage(first, cur *url.URL, doc any, h http.Header, n int, page *int) (next *url.URL, why string, err error) {
 	pg := a.cfg.pagination
 	switch pg.Style {
 	case "cursor":
 		if pg.HasMore != "" {
-			if v, ok := lookup(doc, pg.HasMore); !ok || v != true {
-				return nil, nil
+			v, ok := lookup(doc, pg.HasMore)
+			more, isBool := v.(bool)
+			if !ok || !isBool {
+				// A missing indicator is not "no more": a proxy, an API
+				// version or an error shape may have dropped it.
+				return nil, fmt.Sprintf("no boolean at has_more %q, so the list may go on", pg.HasMore), nil
+			}
+			if !more {
+				return nil, "", nil
 			}
 		}
 		v, ok := lookup(doc, pg.Cursor)
-		if !ok || v == nil {
-			return nil, nil
+		cursor := ""
+		if ok && v != nil {
+			cursor, _ = scalarString(v)
 		}
-		cursor, err := scalarString(v)
-		if err != nil || cursor == "" {
-			return nil, nil
+		if cursor == "" {
+			if pg.HasMore != "" {
+				return nil, fmt.Sprintf("has_more is true but there is no cursor at %q", pg.Cursor), nil
+			}
+			return nil, "", nil
 		}
 		u := *first
 		q := u.Query()
 		q.Set(pg.Param, cursor)
 		u.RawQuery = q.Encode()
-		return &u, nil
+		return &u, "", nil
 	case "link":
-		next := linkNext(h.Values("Link"))
-		if next == "" {
-			return nil, nil
+		target := linkNext(h.Values("Link"))
+		if target == "" {
+			return nil, "", nil
 		}
-		u, err := cur.Parse(next)
+		u, err := cur.Parse(target)
 		if err != nil {
-			return nil, readback.PermanentError(fmt.Errorf("%s: bad Link header: %w", cur.Redacted(), err))
+			return nil, "", readback.PermanentError(fmt.Errorf("%s: bad Link header: %w", cur.Redacted(), err))
 		}
 		// Credentials go only to the configured host.
 		if u.Scheme != a.cfg.base.Scheme || u.Host != a.cfg.base.Host {
-			return nil, readback.PermanentError(fmt.Errorf("%s: Link rel=next points to another host (%s)", cur.Redacted(), u.Host))
+			return nil, "", readback.PermanentError(fmt.Errorf("%s: Link rel=next points to another host (%s)", cur.Redacted(), u.Host))
 		}
-		return u, nil
-	case "page":
+		return u, "", nil
+	case "page", "offset":
 		if n == 0 {
-			return nil, nil
+			return nil, "", nil
 		}
-		*page++
+		if pg.Style == "page" {
+			*page++
+		} else {
+			*page += n
+		}
 		u := *first
 		q := u.Query()
 		q.Set(pg.Param, strconv.Itoa(*page))
 		u.RawQuery = q.Encode()
-		return &u, nil
+		return &u, "", nil
 	}
-	return nil, nil
+	return nil, "", nil
 }
 
 // linkNext returns the rel="next" target of RFC 8288 Link header values.
@@ -604,39 +771,60 @@ func idOf(item any, p pointer) (string, error) {
 	return id, nil
 }
 
-// matcher returns a function that says how an item matches the receipt
-// ("marker", "fingerprint") or "" when it does not. The marker is tried
-// first: it is the stronger evidence.
-func (a *Adapter) matcher(sc *scope) (func(item any) (string, error), error) {
-	var equals, contains string
+// itemMatcher recognizes the receipt's effect among listed items.
+type itemMatcher struct {
+	a                *Adapter
+	sc               *scope
+	equals, contains string // the rendered marker
+}
+
+// matcher renders the receipt's marker once per check.
+func (a *Adapter) matcher(sc *scope) (*itemMatcher, error) {
+	m := &itemMatcher{a: a, sc: sc}
 	var err error
-	if m := a.cfg.marker; m != nil {
-		if equals, err = m.equals.render(sc, false); err != nil {
+	if mc := a.cfg.marker; mc != nil {
+		if m.equals, err = mc.equals.render(sc, false); err != nil {
 			return nil, readback.PermanentError(err)
 		}
-		if contains, err = m.contains.render(sc, false); err != nil {
+		if m.contains, err = mc.contains.render(sc, false); err != nil {
 			return nil, readback.PermanentError(err)
 		}
 	}
-	return func(item any) (string, error) {
-		if m := a.cfg.marker; m != nil {
-			if v, ok := m.pointer.get(item); ok {
-				if s, err := scalarString(v); err == nil {
-					if (equals != "" && s == equals) || (contains != "" && strings.Contains(s, contains)) {
-						return "marker", nil
-					}
-				}
-			}
+	return m, nil
+}
+
+// marker reports whether item carries the receipt's marker.
+func (m *itemMatcher) marker(item any) bool {
+	mc := m.a.cfg.marker
+	if mc == nil {
+		return false
+	}
+	v, ok := mc.pointer.get(item)
+	if !ok {
+		return false
+	}
+	s, err := scalarString(v)
+	if err != nil {
+		return false
+	}
+	return (m.equals != "" && s == m.equals) || (m.contains != "" && strings.Contains(s, m.contains))
+}
+
+// match says how an item matches the receipt ("marker", "fingerprint") or
+// "" when it does not. The marker is tried first: it is the stronger
+// evidence.
+func (m *itemMatcher) match(item any) (string, error) {
+	if m.marker(item) {
+		return "marker", nil
+	}
+	if m.a.cfg.fp != nil {
+		ok, err := m.a.fingerprintMatches(m.sc, item)
+		if err != nil || !ok {
+			return "", err
 		}
-		if f := a.cfg.fp; f != nil {
-			ok, err := a.fingerprintMatches(sc, item)
-			if err != nil || !ok {
-				return "", err
-			}
-			return "fingerprint", nil
-		}
-		return "", nil
-	}, nil
+		return "fingerprint", nil
+	}
+	return "", nil
 }
 
 // fingerprintMatches rebuilds the payload from the item's fields and

@@ -484,6 +484,9 @@ func TestConfigErrors(t *testing.T) {
 		{"delete with a search", "delete", "github", "", "kind"},
 		{"missing secret", "create", "rest", "auth: {env: NOT_SET}", "http.auth.env"},
 		{"no match", "create", "", "search: {path: /x, items: /data, id: /id, created_at: /c}", "http.match"},
+		{"stable on a page list", "create", "rest", "search:\n  pagination: {stable: true}", "http.search.pagination.stable"},
+		{"unknown style", "create", "rest", "search:\n  pagination: {style: pages}", "http.search.pagination.style"},
+		{"negative start", "create", "rest", "search:\n  pagination: {style: offset, start: -1}", "http.search.pagination.start"},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {

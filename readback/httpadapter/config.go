@@ -58,6 +58,10 @@ type paginationYAML struct {
 	Param    string `yaml:"param"`
 	Start    *int   `yaml:"start"`
 	MaxPages int    `yaml:"max_pages"`
+	// Stable (style link only) declares that the Link header carries
+	// server cursors, which concurrent writes cannot shift; by default a
+	// Link list is taken to carry page numbers (GitHub's do).
+	Stable bool `yaml:"stable"`
 }
 
 type fetchYAML struct {
@@ -134,6 +138,11 @@ type searchConfig struct {
 	id              pointer
 	createdAt       pointer
 	createdAtFormat string
+	// narrowed: the path or query names the receipt's key or id, so the
+	// API returns only the receipt's own resources (if it honours the
+	// filter: the search checks that every item returned carries the
+	// marker before relying on it).
+	narrowed bool
 }
 
 type fetchConfig struct {
@@ -465,6 +474,10 @@ func (c *config) compileSearch(s settingsYAML) error {
 	if sc.query, err = c.queryTemplates("search.query", sy.Query); err != nil {
 		return err
 	}
+	sc.narrowed = sc.path.namesKey()
+	for _, t := range sc.query {
+		sc.narrowed = sc.narrowed || t.namesKey()
+	}
 	if sy.Items == nil {
 		return fieldErr("search.items", "is required (a JSON pointer to the list; empty for a top-level array)")
 	}
@@ -581,6 +594,9 @@ func (c *config) compilePagination(p *paginationYAML) error {
 	if pg.MaxPages < 1 || pg.MaxPages > 1000 {
 		return fieldErr("search.pagination.max_pages", "want 1 to 1000, got %d", pg.MaxPages)
 	}
+	if pg.Stable && pg.Style != "link" {
+		return fieldErr("search.pagination.stable", "applies to style link only (cursor lists are stable, page and offset lists never are)")
+	}
 	switch pg.Style {
 	case "none", "link":
 	case "cursor":
@@ -596,19 +612,44 @@ func (c *config) compilePagination(p *paginationYAML) error {
 		if pg.Param == "" {
 			return fieldErr("search.pagination.param", "is required with style cursor (the query parameter carrying the cursor)")
 		}
-	case "page":
+	case "page", "offset":
 		if pg.Param == "" {
-			return fieldErr("search.pagination.param", "is required with style page")
+			// Named like the style, so switching a preset's page list to
+			// offsets never sends offsets as page numbers.
+			pg.Param = pg.Style
 		}
 		if pg.Start == nil {
-			one := 1
-			pg.Start = &one
+			first := 1 // page numbers start at 1, offsets at 0
+			if pg.Style == "offset" {
+				first = 0
+			}
+			pg.Start = &first
+		}
+		if *pg.Start < 0 {
+			return fieldErr("search.pagination.start", "must not be negative, got %d", *pg.Start)
 		}
 	default:
-		return fieldErr("search.pagination.style", "want none, cursor, link or page, got %q", pg.Style)
+		return fieldErr("search.pagination.style", "want none, cursor, link, page or offset, got %q", pg.Style)
+	}
+	if pg.Style != "page" && pg.Style != "offset" {
+		zero := 0 // unused by the other styles
+		pg.Start = &zero
 	}
 	c.pagination = pg
 	return nil
+}
+
+// shiftable reports whether concurrent writes can move items between the
+// pages of the search's list, so that one pass may skip an item: page
+// numbers, offsets, and Link headers unless declared stable.
+func (c *config) shiftable() bool {
+	switch c.pagination.Style {
+	case "page", "offset":
+		return true
+	case "link":
+		return !c.pagination.Stable
+	}
+	return false
 }
 
 func (c *config) compileFetch(s settingsYAML) error {

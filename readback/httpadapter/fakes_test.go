@@ -6,6 +6,7 @@ import (
 	"net/http"
 	"net/http/httptest"
 	"regexp"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -45,6 +46,17 @@ type fakeAPI struct {
 	headers   http.Header               // headers sent with the forced status
 	requests  []string                  // request URIs seen
 	auths     []string                  // Authorization headers seen
+	// after runs once each request is answered, with the lock held: a
+	// concurrent writer changing f.items between two page reads.
+	after func(f *fakeAPI, r *http.Request)
+	// ignorePage serves the first page whatever the page parameter says (a
+	// static list); dropHasMore leaves has_more out of Stripe's pages.
+	ignorePage, dropHasMore bool
+}
+
+// remove deletes the item with id; the caller holds the lock (after).
+func (f *fakeAPI) remove(id string) {
+	f.items = slices.DeleteFunc(f.items, func(it fakeItem) bool { return it.ID == id })
 }
 
 func newFakeAPI(t testing.TB, style, token string) *fakeAPI {
@@ -122,6 +134,9 @@ func (f *fakeAPI) serve(w http.ResponseWriter, r *http.Request) {
 	default:
 		f.serveREST(w, r)
 	}
+	if f.after != nil {
+		f.after(f, r)
+	}
 }
 
 // writeError answers in the API's documented error shape.
@@ -187,8 +202,12 @@ func (f *fakeAPI) serveStripe(w http.ResponseWriter, r *http.Request) {
 	if more {
 		next = fmt.Sprintf("page_%d", off+f.pageSize)
 	}
-	writeJSON(w, http.StatusOK, map[string]any{"object": "search_result", "url": "/v1/charges/search",
-		"data": items, "has_more": more, "next_page": next})
+	body := map[string]any{"object": "search_result", "url": "/v1/charges/search",
+		"data": items, "has_more": more, "next_page": next}
+	if f.dropHasMore {
+		delete(body, "has_more")
+	}
+	writeJSON(w, http.StatusOK, body)
 }
 
 // serveGitHub: GET /repos/{o}/{r}/issues?since=&per_page=&page= answers an
@@ -226,16 +245,18 @@ func (f *fakeAPI) serveGitHub(w http.ResponseWriter, r *http.Request) {
 	writeJSON(w, http.StatusOK, items)
 }
 
-// serveREST: GET /items?created_after=...&page=N answers {"items": [...]}.
+// serveREST: GET /items?created_after=...&page=N (or &offset=N) answers
+// {"items": [...]}, oldest first; key=K keeps only the items marked K.
 func (f *fakeAPI) serveREST(w http.ResponseWriter, r *http.Request) {
 	if r.URL.Path != "/items" {
 		writeJSON(w, http.StatusNotFound, map[string]any{"error": "not found"})
 		return
 	}
-	after, _ := time.Parse(time.RFC3339, r.URL.Query().Get("created_after"))
+	q := r.URL.Query()
+	after, _ := time.Parse(time.RFC3339, q.Get("created_after"))
 	var data []map[string]any
 	for _, it := range f.items {
-		if it.Created.Before(after) {
+		if it.Created.Before(after) || (q.Has("key") && it.Marker != q.Get("key")) {
 			continue
 		}
 		metadata := map[string]any{"idempotency_key": it.Marker}
@@ -245,8 +266,15 @@ func (f *fakeAPI) serveREST(w http.ResponseWriter, r *http.Request) {
 		data = append(data, map[string]any{"id": it.ID, "title": it.Title, "amount": it.Amount,
 			"created_at": it.Created.UTC().Format(time.RFC3339), "metadata": metadata})
 	}
-	pg, _ := strconv.Atoi(r.URL.Query().Get("page"))
+	pg, _ := strconv.Atoi(q.Get("page"))
 	pg = max(pg, 1)
-	items, _ := page(data, (pg-1)*f.pageSize, f.pageSize)
+	off := (pg - 1) * f.pageSize
+	if q.Has("offset") {
+		off, _ = strconv.Atoi(q.Get("offset"))
+	}
+	if f.ignorePage {
+		off = 0
+	}
+	items, _ := page(data, off, f.pageSize)
 	writeJSON(w, http.StatusOK, map[string]any{"items": items})
 }

@@ -65,19 +65,24 @@ match:
   marker: {pointer: /body, contains: "<!-- receipt:{receipt.logical_key} -->"}
 rate_limit: {remaining_header: X-RateLimit-Remaining, reset_header: X-RateLimit-Reset, reset_format: unix}
 `,
-		// A generic JSON REST collection: GET /items?created_after=...&page=N
-		// answering {"items": [...]} until a page comes back empty; the agent
-		// puts the step's logical key in metadata.idempotency_key.
+		// A generic JSON REST collection: GET <the path the agent posted
+		// to>?created_after=...&page=N answering {"items": [...]} until a
+		// page comes back empty; the agent puts the step's logical key in
+		// metadata.idempotency_key. The path is the receipt's target, never
+		// a fixed collection: a fixed path read for every receipt would
+		// answer "absent" for effects made elsewhere. Page numbers can skip
+		// items under concurrent writes: an absence is confirmed by a
+		// second pass unless the query names the key (see docs/adapters.md).
 		"rest": `
 search:
   method: GET
-  path: /items
+  path: "{receipt.target}"
   query: {created_after: "{window.start}"}
   items: /items
   id: /id
   created_at: /created_at
   created_at_format: rfc3339
-  pagination: {style: page, param: page, start: 1, max_pages: 10}
+  pagination: {style: page, max_pages: 10}
 match:
   marker: {pointer: /metadata/idempotency_key, equals: "{receipt.logical_key}"}
 `,

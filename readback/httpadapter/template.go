@@ -104,6 +104,18 @@ func checkRef(ref string, intentFields map[string]string) error {
 	return fmt.Errorf("unknown placeholder {%s} (known: %s, intent.<name>)", ref, strings.Join(receiptRefs(), ", "))
 }
 
+// namesKey reports whether t names the receipt's key or id: a search
+// narrowed to the receipt's own resources.
+func (t template) namesKey() bool {
+	for _, p := range t.parts {
+		switch p.ref {
+		case "receipt.logical_key", "receipt.idempotency_key", "receipt.id":
+			return true
+		}
+	}
+	return false
+}
+
 // scope is what a template is rendered against: one receipt at one check.
 type scope struct {
 	r           readback.Receipt
