@@ -67,11 +67,7 @@ func unknown(t *testing.T, pool *pgxpool.Pool, op, dep string) *ledger.Receipt {
 // backdate makes a receipt look held for d (a non-move UPDATE records nothing).
 func backdate(t *testing.T, pool *pgxpool.Pool, id int64, d time.Duration) {
 	t.Helper()
-	if _, err := pool.Exec(context.Background(),
-		`UPDATE reconciler.receipts SET updated_at = now() - make_interval(secs => $2) WHERE id = $1`,
-		id, d.Seconds()); err != nil {
-		t.Fatal(err)
-	}
+	pgtest.Backdate(t, pool, id, d)
 }
 
 func TestList(t *testing.T) {

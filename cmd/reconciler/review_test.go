@@ -7,6 +7,7 @@ import (
 	"os/user"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/jackc/pgx/v5/pgxpool"
 
@@ -36,10 +37,7 @@ func newReviewDB(t *testing.T) reviewDB {
 	db.update = heldReceipt(t, db.pool, "articles.update", "blog", 3)
 	db.unknown = unknownReceipt(t, db.pool, "articles.create", "blog", 4).ID
 	for id, hours := range map[int64]int{db.update: 3, db.create: 1} {
-		if _, err := db.pool.Exec(context.Background(),
-			`UPDATE reconciler.receipts SET updated_at = now() - make_interval(hours => $2) WHERE id = $1`, id, hours); err != nil {
-			t.Fatal(err)
-		}
+		pgtest.Backdate(t, db.pool, id, time.Duration(hours)*time.Hour)
 	}
 	return db
 }
