@@ -147,7 +147,11 @@ func benchSettle(c *cli.Context) error {
 // benchFill inserts n receipts of the bench dependency and moves them to
 // outcome_unknown through the real triggers (so they carry their history),
 // in chunks so the statement-level transition tables stay small, then
-// vacuums so the measured run starts from a settled table.
+// vacuums so the measured run starts from a settled table. The receipts are
+// distinct intents inserted unguarded: the duplicate guard has nothing to
+// find among them, and its re-check on submission takes one advisory lock
+// per row, which a 50,000-row statement would hold all at once (more than
+// the server's lock table holds by default).
 func benchFill(ctx context.Context, db *pgxpool.Pool, n int) error {
 	const chunk = 50000
 	for lo := 1; lo <= n; lo += chunk {
@@ -156,9 +160,9 @@ func benchFill(ctx context.Context, db *pgxpool.Pool, n int) error {
 		err := db.QueryRow(ctx, `
 			WITH ins AS (
 				INSERT INTO reconciler.receipts (idempotency_key, operation, dependency, method,
-				                                 target, fingerprint, intent, state_actor)
+				                                 target, fingerprint, intent, state_actor, guarded)
 				SELECT 'bench:' || g || ':create', 'things.create', 'bench-api', 'POST', '/things',
-				       'sha256:' || encode(sha256(('bench:' || g)::bytea), 'hex'), '{}', 'agent:bench'
+				       'sha256:' || encode(sha256(('bench:' || g)::bytea), 'hex'), '{}', 'agent:bench', false
 				FROM generate_series($1::int, $2::int) g
 				RETURNING id
 			) SELECT min(id), max(id) FROM ins`, lo, hi).Scan(&first, &last)
