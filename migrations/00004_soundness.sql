@@ -224,7 +224,11 @@ BEGIN
     -- receipt of the same intent is unresolved (so of two receipts planned
     -- under two keys at once, exactly one is sent); the refused one stays
     -- planned. (The lock is held to commit, so a concurrent submission or
-    -- plan of the same intent waits and then sees this one.)
+    -- plan of the same intent waits and then sees this one.) A statement
+    -- that submits many guarded receipts takes one such lock per intent,
+    -- held to commit, and the server's lock table holds about
+    -- max_locks_per_transaction x max_connections: bulk loaders submit in
+    -- chunks of a few thousand, or insert their receipts with guarded = false.
     IF NEW.state = 'submitted' AND OLD.guarded THEN
         -- (An assignment, not PERFORM: a plain expression is evaluated in
         -- place, where PERFORM would run a query.)
