@@ -85,12 +85,6 @@ func SendDeadlineOf(r Receipt) time.Time {
 	return r.SubmittedAt.Add(DefaultMaxSendDelay)
 }
 
-// AbsenceWindow is AbsenceWindowFor a receipt submitted at submitted with
-// the default send deadline (DefaultMaxSendDelay).
-func (p Policy) AbsenceWindow(submitted, readAt time.Time) (safeAt time.Time, g Guarantee, ok bool) {
-	return p.AbsenceWindowFor(Receipt{SubmittedAt: submitted}, readAt)
-}
-
 // AbsenceWindowFor returns the earliest time at which an authoritative
 // absence of r's effect proves that it did not happen, the guarantee that
 // makes it so, and whether a read that BEGAN at readAt is past it (SPEC

@@ -11,6 +11,7 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/urfave/cli/v2"
 
 	"github.com/receiptledger/reconciler/readback"
@@ -67,25 +68,32 @@ func adaptersCheckAction(c *cli.Context) error {
 	if c.IsSet("receipt") && url == "" {
 		return cli.Exit("adapters check: --receipt needs --database-url (or RECONCILER_DATABASE_URL)", 2)
 	}
+	var db *pgxpool.Pool
+	if url != "" && (c.Bool("control") || c.IsSet("receipt")) {
+		if db, err = pgxpool.New(c.Context, url); err != nil {
+			return cli.Exit(fmt.Sprintf("adapters check: database: %v", err), 1) // pgx redacts passwords
+		}
+		defer db.Close()
+	}
 	failed := 0
 	if c.Bool("control") {
-		failed = runControls(c.Context, out, bindings, c.Duration("timeout"))
+		failed = runControls(c.Context, out, db, bindings, c.Duration("timeout"))
 	}
 	if c.IsSet("receipt") {
-		ctx, cancel := context.WithTimeout(c.Context, c.Duration("timeout")+10*time.Second)
+		ctx, cancel := context.WithTimeout(c.Context, 2*c.Duration("timeout")+10*time.Second)
 		defer cancel()
-		r, state, settled, err := loadReceipt(ctx, url, c.Int64("receipt"))
+		r, state, settled, err := loadReceipt(ctx, db, c.Int64("receipt"))
 		if err != nil {
 			return cli.Exit(fmt.Sprintf("adapters check: %v", err), 1)
 		}
 		if settled != nil {
 			printSettled(out, r, state, settled)
-		} else if err := explain(ctx, out, reg, r, state, c.Duration("timeout"), time.Now()); err != nil {
+		} else if err := explain(ctx, out, db, reg, r, state, c.Duration("timeout")); err != nil {
 			return err
 		}
 	}
 	if failed > 0 {
-		return cli.Exit(fmt.Sprintf("adapters check: %d declared control(s) failed: "+
+		return cli.Exit(fmt.Sprintf("adapters check: %d control(s) failed: "+
 			"until they pass, these adapters cannot prove an absence", failed), 1)
 	}
 	return nil
@@ -96,9 +104,11 @@ func adaptersCheckAction(c *cli.Context) error {
 const noControl = "no declared control: the reconciler uses receipts of the same operation that settled " +
 	"succeeded from a 2xx response; declare one to bootstrap a new deployment"
 
-// runControls runs each binding's declared positive control once and prints
-// the outcome per adapter; it returns how many declared controls failed.
-func runControls(ctx context.Context, w io.Writer, bs []readback.Binding, timeout time.Duration) int {
+// runControls runs each binding's positive control once and prints the
+// outcome per adapter: the declared control, else, given the ledger (db not
+// nil), the latest receipt it reads that settled succeeded from a 2xx
+// response, as the reconciler would. It returns how many controls failed.
+func runControls(ctx context.Context, w io.Writer, db *pgxpool.Pool, bs []readback.Binding, timeout time.Duration) int {
 	fmt.Fprintln(w, "\npositive controls:")
 	failed := 0
 	for i := range bs {
@@ -107,8 +117,19 @@ func runControls(ctx context.Context, w io.Writer, bs []readback.Binding, timeou
 		case b.Kind == readback.Blind:
 			fmt.Fprintf(w, "  %s: blind: nothing is read back, no control applies\n", b.Name)
 			continue
+		case b.Control == nil && db == nil:
+			fmt.Fprintf(w, "  %s: %s (give --database-url to run that one)\n", b.Name, noControl)
+			continue
 		case b.Control == nil:
-			fmt.Fprintf(w, "  %s: %s\n", b.Name, noControl)
+			cctx, cancel := context.WithTimeout(ctx, timeout)
+			err := reconcile.RunControl(cctx, db, b)
+			cancel()
+			if err != nil {
+				failed++
+				fmt.Fprintf(w, "  %s: failed: %v\n    until a control passes, no absence this adapter reads settles anything\n", b.Name, err)
+				continue
+			}
+			fmt.Fprintf(w, "  %s: passed: found a receipt of the ledger that settled succeeded from a 2xx response\n", b.Name)
 			continue
 		}
 		r := b.Control.Receipt
@@ -185,13 +206,8 @@ func printBindings(w io.Writer, bs []readback.Binding) {
 // loadReceipt reads one receipt in a read-only transaction: this command
 // must never change the ledger. For a settled receipt (succeeded,
 // safe_to_retry, rejected) it also returns its settling move.
-func loadReceipt(ctx context.Context, url string, id int64) (readback.Receipt, string, *settlement, error) {
-	conn, err := pgx.Connect(ctx, url)
-	if err != nil {
-		return readback.Receipt{}, "", nil, fmt.Errorf("database: %w", err) // pgx redacts passwords
-	}
-	defer conn.Close(context.Background())
-	tx, err := conn.BeginTx(ctx, pgx.TxOptions{AccessMode: pgx.ReadOnly})
+func loadReceipt(ctx context.Context, db *pgxpool.Pool, id int64) (readback.Receipt, string, *settlement, error) {
+	tx, err := db.BeginTx(ctx, pgx.TxOptions{AccessMode: pgx.ReadOnly})
 	if err != nil {
 		return readback.Receipt{}, "", nil, fmt.Errorf("database: %w", err)
 	}
@@ -231,8 +247,14 @@ func loadReceipt(ctx context.Context, url string, id int64) (readback.Receipt, s
 
 // explain runs one check of r and prints the answer and what the
 // reconciler would decide now, following the rules of package reconcile.
-func explain(ctx context.Context, w io.Writer, reg *readback.Registry, r readback.Receipt, state string,
-	timeout time.Duration, now time.Time) error {
+func explain(ctx context.Context, w io.Writer, db *pgxpool.Pool, reg *readback.Registry, r readback.Receipt, state string,
+	timeout time.Duration) error {
+	// The read's time is the database's (SPEC §5a), taken before the read
+	// begins: never this host's clock, never the time the answer arrives.
+	var now time.Time
+	if err := db.QueryRow(ctx, `SELECT clock_timestamp()`).Scan(&now); err != nil {
+		return cli.Exit(fmt.Sprintf("adapters check: database clock: %v", err), 1)
+	}
 	fmt.Fprintf(w, "\nreceipt %d: %s on %s, state %s, submitted %s ago, %d check(s) so far\n",
 		r.ID, r.Operation, r.Dependency, state, now.Sub(r.SubmittedAt).Round(time.Second), r.Checks)
 	b, ok := reg.Lookup(r.Operation, r.Dependency)
@@ -268,7 +290,19 @@ func explain(ctx context.Context, w io.Writer, reg *readback.Registry, r readbac
 			fmt.Fprintf(w, "evidence: %s\n", j)
 		}
 	}
-	fmt.Fprintf(w, "decision: %s\n", decision(b, r, res, nil, now))
+	d := decision(b, r, res, nil, now)
+	if o := reconcile.Decide(now, r, b, res, nil); reconcile.NeedsControl(o) {
+		cctx, cancel := context.WithTimeout(ctx, timeout)
+		cerr := reconcile.RunControl(cctx, db, b)
+		cancel()
+		if cerr != nil {
+			d = fmt.Sprintf("check again later, not %s: this rests on an absence, and the adapter's positive control "+
+				"has not passed (%v)", d, cerr)
+		} else {
+			d += "; the adapter's positive control passed"
+		}
+	}
+	fmt.Fprintf(w, "decision: %s\n", d)
 	fmt.Fprintln(w, "nothing was changed")
 	return nil
 }
@@ -278,7 +312,7 @@ func explain(ctx context.Context, w io.Writer, reg *readback.Registry, r readbac
 func decision(b *readback.Binding, r readback.Receipt, res readback.Result, checkErr error, now time.Time) string {
 	o := reconcile.Decide(now, r, b, res, checkErr)
 	if !o.Settles() {
-		safeAt, _, _ := b.Policy.AbsenceWindow(r.SubmittedAt, now)
+		safeAt, _, _ := b.Policy.AbsenceWindowFor(r, now)
 		return fmt.Sprintf("check again at %s (in %s); an absence is conclusive only when authoritative and after %s",
 			o.NextCheck.UTC().Format(time.RFC3339), max(o.NextCheck.Sub(now), 0).Round(time.Second),
 			safeAt.UTC().Format(time.RFC3339))

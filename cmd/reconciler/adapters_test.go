@@ -261,7 +261,7 @@ func TestAdaptersCheckControl(t *testing.T) {
 		{"wrong path and wrong marker", write(correct, wrongPath, wrongMarker, rest), 1,
 			[]string{"shop-items: passed", "shop-wrong-path: failed: positive control failed", "HTTP 404",
 				"shop-wrong-marker: failed: positive control failed", "answered absent",
-				"2 declared control(s) failed"},
+				"2 control(s) failed"},
 			nil},
 	}
 	for _, tt := range tests {
