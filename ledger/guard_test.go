@@ -318,6 +318,49 @@ func TestIssue7SendDeadlineBoundsHTTP1Writes(t *testing.T) {
 	})
 }
 
+// Issue 7, path 3: an HTTP/2 connection is shared, so Do never sets its
+// write deadline: a request whose headers went out in time succeeds however
+// late its answer comes, and the connection keeps serving requests after
+// that request's deadline.
+func TestIssue7SendDeadlineLeavesHTTP2Alone(t *testing.T) {
+	env := newHTTPEnv(t)
+	const delay = 200 * time.Millisecond
+	var protos sync.Map
+	srv := httptest.NewUnstartedServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		io.Copy(io.Discard, r.Body)
+		protos.Store(r.Proto, true)
+		if r.Header.Get("X-Slow") != "" {
+			// Answer after the request's send deadline has passed.
+			<-time.After(2 * delay)
+		}
+		writeJSON(w, 201, `{"id":"art_h2"}`)
+	}))
+	srv.EnableHTTP2 = true
+	srv.StartTLS()
+	t.Cleanup(srv.Close)
+	client := srv.Client()
+	caller := &ledger.Caller{Ledger: env.ledger, HTTP: client}
+	ctx := context.Background()
+
+	in, req := articleCall(t, srv.URL+"/api/articles", "h2-slow-answer")
+	in.MaxSendDelay = delay
+	req.Header.Set("X-Slow", "1")
+	if res, err := caller.Do(ctx, in, req); err != nil || res.Response.ProtoMajor != 2 {
+		t.Fatalf("Do over HTTP/2 with a late answer: %v (response %v), want success over HTTP/2", err, res.Response)
+	}
+	in, req = articleCall(t, srv.URL+"/api/articles", "h2-after-deadline")
+	in.MaxSendDelay = delay
+	var reused atomic.Bool
+	trace := &httptrace.ClientTrace{GotConn: func(info httptrace.GotConnInfo) { reused.Store(info.Reused) }}
+	req = req.WithContext(httptrace.WithClientTrace(ctx, trace))
+	if _, err := caller.Do(httptrace.WithClientTrace(ctx, trace), in, req); err != nil || !reused.Load() {
+		t.Fatalf("second Do on the shared connection: %v (reused %v), want success on the same connection", err, reused.Load())
+	}
+	if _, ok := protos.Load("HTTP/2.0"); !ok {
+		t.Fatalf("the server saw no HTTP/2 request")
+	}
+}
+
 // Issue 7, path 4: Do never follows a redirect of the call. The 3xx is the
 // answer, classified outcome_unknown; what a followed request would have
 // answered never reaches the classification, and the call's headers never
