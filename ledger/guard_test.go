@@ -120,10 +120,10 @@ func TestIssue7SendDeadlineSlowDial(t *testing.T) {
 
 	// Let the slow dial (and any later one) through: the canceled request
 	// is never written on the connection it produced. The same step runs
-	// again, as attempt 2, and is the only request the server ever sees.
+	// again, as attempt 2 (with the default deadline, so a slow test
+	// machine cannot miss it), and is the only request the server sees.
 	close(dialer.gate)
 	in, req = articleCall(t, srv.URL+"/api/articles", "slow-dial")
-	in.MaxSendDelay = 300 * time.Millisecond
 	res, err = caller.Do(ctx, in, req)
 	if err != nil || res.Receipt.Attempt != 2 || res.Receipt.State != statemachine.Succeeded {
 		t.Fatalf("re-run after the gate opened = %+v, %v: want attempt 2 succeeded", res, err)
@@ -243,7 +243,8 @@ func TestIssue7SendDeadlineBoundsHTTP1Writes(t *testing.T) {
 	client := testHTTPClient(t, 0)
 	caller := &ledger.Caller{Ledger: env.ledger, HTTP: client}
 	ctx := context.Background()
-	const delay = 200 * time.Millisecond
+	// Long enough for the submit and the dial even on a loaded machine.
+	const delay = 500 * time.Millisecond
 
 	t.Run("stalled body", func(t *testing.T) {
 		type read struct {
@@ -324,7 +325,7 @@ func TestIssue7SendDeadlineBoundsHTTP1Writes(t *testing.T) {
 // that request's deadline.
 func TestIssue7SendDeadlineLeavesHTTP2Alone(t *testing.T) {
 	env := newHTTPEnv(t)
-	const delay = 200 * time.Millisecond
+	const delay = 500 * time.Millisecond
 	var protos sync.Map
 	srv := httptest.NewUnstartedServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		io.Copy(io.Discard, r.Body)
@@ -748,7 +749,10 @@ func TestIssue7SameIntentTwoKeysSentOnce(t *testing.T) {
 			}
 			req.Header.Set("X-Intent", fmt.Sprint(i))
 			in := ledger.Intent{IdempotencyKey: ledger.Key("task-guard", fmt.Sprintf("intent-%d-key-%d", i, g%2), "articles.create"),
-				Operation: "articles.create", Dependency: "blog-api", Payload: json.RawMessage(payload)}
+				Operation: "articles.create", Dependency: "blog-api", Payload: json.RawMessage(payload),
+				// 500 calls share the pool: the deadline is not what
+				// this test is about.
+				MaxSendDelay: time.Minute}
 			wg.Go(func() {
 				<-start
 				res, err := caller.Do(context.Background(), in, req)
