@@ -224,9 +224,15 @@ BEGIN
     -- receipt of the same intent is unresolved (so of two receipts planned
     -- under two keys at once, exactly one is sent); the refused one stays
     -- planned. (The lock is held to commit, so a concurrent submission or
-    -- plan of the same intent waits and then sees this one.)
+    -- plan of the same intent waits and then sees this one.) A statement
+    -- that submits many guarded receipts takes one such lock per intent,
+    -- held to commit, and the server's lock table holds about
+    -- max_locks_per_transaction x max_connections: bulk loaders submit in
+    -- chunks of a few thousand, or insert their receipts with guarded = false.
     IF NEW.state = 'submitted' AND OLD.guarded THEN
-        PERFORM pg_advisory_xact_lock(hashtextextended(OLD.dependency || ' ' || OLD.fingerprint, 0));
+        -- (An assignment, not PERFORM: a plain expression is evaluated in
+        -- place, where PERFORM would run a query.)
+        why := pg_advisory_xact_lock(hashtextextended(OLD.dependency || ' ' || OLD.fingerprint, 0))::text;
         SELECT x.id INTO other FROM reconciler.receipts x
         WHERE x.dependency = OLD.dependency AND x.fingerprint = OLD.fingerprint
           AND x.state IN ('submitted', 'outcome_unknown', 'reconciling', 'manual_review')
@@ -240,11 +246,14 @@ BEGIN
     -- An agent that learned its call succeeded after the orphan sweep moved
     -- its receipt recorded so (reconciler.record_late_outcome, which holds
     -- the row while it does): the effect exists, so it is never safe_to_retry.
-    IF NEW.state = 'safe_to_retry' AND EXISTS (
-            SELECT FROM reconciler.late_outcomes l
-            WHERE l.receipt_id = OLD.id AND l.outcome = 'succeeded') THEN
-        RAISE EXCEPTION 'receipt % has a late succeeded outcome recorded by its agent: it is not safe_to_retry',
-            OLD.id USING ERRCODE = 'RL002', DETAIL = 'succeeded';
+    -- (Nested: a condition with a subquery is a full query even when its
+    -- first half is false, and every other move would pay for it.)
+    IF NEW.state = 'safe_to_retry' THEN
+        IF EXISTS (SELECT FROM reconciler.late_outcomes l
+                   WHERE l.receipt_id = OLD.id AND l.outcome = 'succeeded') THEN
+            RAISE EXCEPTION 'receipt % has a late succeeded outcome recorded by its agent: it is not safe_to_retry',
+                OLD.id USING ERRCODE = 'RL002', DETAIL = 'succeeded';
+        END IF;
     END IF;
     -- A move that did not set its own detail must not inherit the previous one's.
     IF NEW.state_detail = OLD.state_detail THEN
@@ -268,7 +277,7 @@ BEGIN
         NEW.lease_expires_at := NULL;
         -- Wake idle reconcilers (delivered at commit; Postgres folds
         -- identical notifications of one transaction into one).
-        PERFORM pg_notify('reconciler_due', '');
+        why := pg_notify('reconciler_due', '')::text;
     END IF;
     IF NEW.state IN ('succeeded', 'safe_to_retry', 'rejected', 'manual_review') THEN
         NEW.next_check_at := NULL;
@@ -314,7 +323,9 @@ DECLARE
     want text;
 BEGIN
     -- Plans of one key take turns, so exactly one inserts it.
-    PERFORM pg_advisory_xact_lock(hashtextextended(plan.idempotency_key, 1));
+    -- (Locks taken by assignment, not PERFORM: a plain expression is
+    -- evaluated in place, where PERFORM would run a query.)
+    want := pg_advisory_xact_lock(hashtextextended(plan.idempotency_key, 1))::text;
     SELECT x.* INTO r FROM reconciler.receipt_keys k JOIN reconciler.receipts x ON x.id = k.receipt_id
     WHERE k.idempotency_key = plan.idempotency_key;
     IF FOUND THEN
@@ -367,7 +378,7 @@ BEGIN
         -- Serialize plans (and submissions: receipts_before_update) of one
         -- intent so two agents cannot both pass the guard. (Opted-out plans
         -- need no guard and take no lock.)
-        PERFORM pg_advisory_xact_lock(hashtextextended(plan.dependency || ' ' || plan.fingerprint, 0));
+        want := pg_advisory_xact_lock(hashtextextended(plan.dependency || ' ' || plan.fingerprint, 0))::text;
         SELECT * INTO earlier FROM reconciler.receipts x
         WHERE x.dependency = plan.dependency AND x.fingerprint = plan.fingerprint
           AND x.state IN ('submitted', 'outcome_unknown', 'reconciling', 'manual_review')

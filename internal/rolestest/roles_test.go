@@ -45,6 +45,7 @@ const (
 // env is one fresh database with docs/roles.sql applied and one login user
 // in each role.
 type env struct {
+	url                            string
 	owner, agent, worker, reviewer *pgxpool.Pool
 }
 
@@ -64,6 +65,7 @@ func setup(t *testing.T) *env {
 		}
 	}
 	return &env{
+		url:      dbURL,
 		owner:    owner,
 		agent:    loginPool(t, owner, dbURL, "reconciler_agent"),
 		worker:   loginPool(t, owner, dbURL, "reconciler_worker"),
@@ -557,4 +559,172 @@ func TestHistoryFunctionsPinned(t *testing.T) {
 	if !reflect.DeepEqual(got, want) {
 		t.Errorf("history functions %+v, want %+v", got, want)
 	}
+}
+
+// TestOnlyReconcilerSettles: issue 7, path 8. An agent's login records its
+// own calls only: it cannot move a receipt to or from reconciling, nor to
+// manual_review, by UPDATE or through reconciler.transition, so it cannot
+// settle its own receipt safe_to_retry and retry it without a readback. The
+// worker's login (and a reviewer's) can.
+func TestOnlyReconcilerSettles(t *testing.T) {
+	ctx := context.Background()
+	e := setup(t)
+	agent, err := ledger.New(e.agent, agentID)
+	if err != nil {
+		t.Fatal(err)
+	}
+	const (
+		update   = `UPDATE reconciler.receipts SET state = $2, state_actor = $3 WHERE id = $1`
+		function = `SELECT reconciler.transition($1, $2, $3)`
+	)
+	agentMayNot := func(id int64, from, to string) {
+		t.Helper()
+		for name, q := range map[string]string{"update": update, "transition": function} {
+			for _, actor := range []string{agentID, "reconciler:forged"} {
+				before := history(t, e.owner, id)
+				_, err := e.agent.Exec(ctx, q, id, to, actor)
+				wantCode(t, fmt.Sprintf("agent login: %s -> %s by %s via %s", from, to, actor, name), err, illegal)
+				if after := history(t, e.owner, id); !reflect.DeepEqual(before, after) {
+					t.Errorf("agent login: %s -> %s via %s refused but history changed", from, to, name)
+				}
+			}
+		}
+	}
+
+	r := unknown(t, agent, "p8:settle-own", "blog-api")
+	agentMayNot(r.ID, "outcome_unknown", "reconciling")
+	agentMayNot(r.ID, "outcome_unknown", "manual_review")
+	// The worker claims it (a plain UPDATE: the worker has no EXECUTE on
+	// reconciler.transition), then the agent tries to settle it.
+	if _, err := e.worker.Exec(ctx, update, r.ID, "reconciling", "reconciler:"+workerID); err != nil {
+		t.Fatalf("worker: outcome_unknown -> reconciling: %v", err)
+	}
+	for _, to := range []string{"safe_to_retry", "succeeded", "manual_review"} {
+		agentMayNot(r.ID, "reconciling", to)
+	}
+	if _, err := e.worker.Exec(ctx, update, r.ID, "safe_to_retry", "reconciler:"+workerID); err != nil {
+		t.Fatalf("worker: reconciling -> safe_to_retry: %v", err)
+	}
+	got, err := agent.Get(ctx, r.ID)
+	if err != nil || got.State != statemachine.SafeToRetry {
+		t.Fatalf("after the worker settled: %+v, %v", got, err)
+	}
+	h := history(t, e.owner, r.ID)
+	if last := h[len(h)-1]; last["actor"] != "reconciler:"+workerID {
+		t.Errorf("settled by %v, want reconciler:%s", last["actor"], workerID)
+	}
+
+	// A reviewer may hold a receipt for review (through transition).
+	held := unknown(t, agent, "p8:hold", "blog-api")
+	agentMayNot(held.ID, "outcome_unknown", "manual_review")
+	if _, err := e.reviewer.Exec(ctx, function, held.ID, "manual_review", "human:alice"); err != nil {
+		t.Errorf("reviewer: outcome_unknown -> manual_review: %v", err)
+	}
+	// The agent's own moves still work: plan, submit, settle from submitted.
+	ok, err := agent.Plan(ctx, intent("p8:own", "blog-api"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if ok, err = agent.Submit(ctx, ok); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := agent.Succeed(ctx, ok, "post-1", ledger.Detail{}); err != nil {
+		t.Errorf("agent: submitted -> succeeded: %v", err)
+	}
+}
+
+// TestLateOutcomeRoles: the agent records a late outcome only through
+// reconciler.record_late_outcome (SECURITY DEFINER), for the receipt it
+// submitted after the worker's orphan sweep moved it; the worker and the
+// reviewer read late outcomes; nobody writes them directly.
+func TestLateOutcomeRoles(t *testing.T) {
+	ctx := context.Background()
+	e := setup(t)
+	agent, err := ledger.New(e.agent, agentID)
+	if err != nil {
+		t.Fatal(err)
+	}
+	r, err := agent.Plan(ctx, intent("late:1", "blog-api"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if r, err = agent.Submit(ctx, r); err != nil {
+		t.Fatal(err)
+	}
+	// The orphan sweep, as the worker.
+	if _, err := e.worker.Exec(ctx, `UPDATE reconciler.receipts SET state = 'outcome_unknown',
+		state_actor = 'reconciler:sweep' WHERE id = $1 AND state = 'submitted'`, r.ID); err != nil {
+		t.Fatal(err)
+	}
+	const rec = `SELECT reconciler.record_late_outcome($1, $2, 'succeeded', 201, 'post-1', '{"reason":"201"}')`
+	if _, err := e.agent.Exec(ctx, rec, r.ID, agentID); err != nil {
+		t.Fatalf("agent: record_late_outcome: %v", err)
+	}
+	_, err = e.agent.Exec(ctx, rec, r.ID, "agent:someone-else")
+	wantCode(t, "agent: late outcome of a receipt it did not submit", err, "RL002")
+	for name, p := range map[string]*pgxpool.Pool{"worker": e.worker, "reviewer": e.reviewer} {
+		var n int
+		if err := p.QueryRow(ctx, `SELECT count(*) FROM reconciler.late_outcomes WHERE receipt_id = $1`, r.ID).Scan(&n); err != nil || n != 1 {
+			t.Errorf("%s: read late outcomes: %d, %v", name, n, err)
+		}
+	}
+	insert := stmt{"insert late_outcomes", `INSERT INTO reconciler.late_outcomes (receipt_id, actor, outcome)
+		VALUES ($1, 'agent:billing', 'succeeded')`, []any{r.ID}}
+	refuse(t, e.agent, denied, []stmt{insert,
+		{"agent: update late_outcomes", `UPDATE reconciler.late_outcomes SET outcome = 'rejected'`, nil},
+		{"agent: select late_outcomes", `SELECT * FROM reconciler.late_outcomes`, nil}})
+	for name, p := range map[string]*pgxpool.Pool{"worker": e.worker, "reviewer": e.reviewer} {
+		refuse(t, p, denied, []stmt{insert,
+			{name + ": record_late_outcome", rec, []any{r.ID, agentID}},
+			{name + ": delete late_outcomes", `DELETE FROM reconciler.late_outcomes`, nil}})
+	}
+	// The late success keeps the worker from settling safe_to_retry.
+	const update = `UPDATE reconciler.receipts SET state = $2, state_actor = 'reconciler:w' WHERE id = $1`
+	if _, err := e.worker.Exec(ctx, update, r.ID, "reconciling"); err != nil {
+		t.Fatal(err)
+	}
+	_, err = e.worker.Exec(ctx, update, r.ID, "safe_to_retry")
+	wantCode(t, "worker: safe_to_retry despite a late success", err, "RL002")
+}
+
+// TestReadonly: reconciler_readonly (stats, dashboards) reads the ledger,
+// the reconciler's records, breaker state and the schema version, and
+// writes nothing.
+func TestReadonly(t *testing.T) {
+	ctx := context.Background()
+	e := setup(t)
+	ro := loginPool(t, e.owner, e.url, "reconciler_readonly")
+	agent, err := ledger.New(e.agent, agentID)
+	if err != nil {
+		t.Fatal(err)
+	}
+	r := unknown(t, agent, "ro:1", "blog-api")
+	for _, table := range []string{"receipts", "receipt_events", "readback_checks", "duplicate_alarms",
+		"late_outcomes", "dependency_breakers", "goose_db_version"} {
+		if _, err := ro.Exec(ctx, `SELECT count(*) FROM reconciler.`+table); err != nil {
+			t.Errorf("readonly: read %s: %v", table, err)
+		}
+	}
+	store, err := reconcile.NewStore(ro, "stats")
+	if err != nil {
+		t.Fatal(err)
+	}
+	b, err := store.Backlog(ctx, time.Now(), time.Hour, 5*time.Minute)
+	if err != nil || b.OutcomeUnknown != 1 {
+		t.Errorf("readonly: backlog %+v, %v; want 1 outcome_unknown", b, err)
+	}
+	refuse(t, ro, denied, append(forgeries(r.ID),
+		stmt{"move", `UPDATE reconciler.receipts SET state = 'reconciling', state_actor = 'reconciler:x' WHERE id = $1`, []any{r.ID}},
+		stmt{"lease", `UPDATE reconciler.receipts SET lease_owner = 'x' WHERE id = $1`, []any{r.ID}},
+		stmt{"plan", `SELECT reconciler.plan('k', 'op', 'dep', 'POST', '/x', 'sha256:' || repeat('a', 64), '{}', 'agent:x')`, nil},
+		stmt{"transition", `SELECT reconciler.transition($1, 'reconciling', 'reconciler:x')`, []any{r.ID}},
+		stmt{"record_late_outcome", `SELECT reconciler.record_late_outcome($1, 'agent:billing', 'succeeded')`, []any{r.ID}},
+		stmt{"insert readback_checks", `INSERT INTO reconciler.readback_checks
+			(receipt_id, check_no, at, instance, adapter, dependency, verdict, latency_us)
+			VALUES ($1, 1, now(), 'x', 'x', 'x', 'present', 0)`, []any{r.ID}},
+		stmt{"insert dependency_breakers", `INSERT INTO reconciler.dependency_breakers
+			(dependency, open_until, opened_by) VALUES ('blog-api', now(), 'x')`, nil},
+		stmt{"update goose_db_version", `UPDATE reconciler.goose_db_version SET is_applied = false`, nil},
+		stmt{"read receipt_keys", `SELECT * FROM reconciler.receipt_keys`, nil},
+	))
 }
