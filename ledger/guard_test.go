@@ -120,10 +120,10 @@ func TestIssue7SendDeadlineSlowDial(t *testing.T) {
 
 	// Let the slow dial (and any later one) through: the canceled request
 	// is never written on the connection it produced. The same step runs
-	// again, as attempt 2, and is the only request the server ever sees.
+	// again, as attempt 2 (with the default deadline, so a slow test
+	// machine cannot miss it), and is the only request the server sees.
 	close(dialer.gate)
 	in, req = articleCall(t, srv.URL+"/api/articles", "slow-dial")
-	in.MaxSendDelay = 300 * time.Millisecond
 	res, err = caller.Do(ctx, in, req)
 	if err != nil || res.Receipt.Attempt != 2 || res.Receipt.State != statemachine.Succeeded {
 		t.Fatalf("re-run after the gate opened = %+v, %v: want attempt 2 succeeded", res, err)
@@ -243,7 +243,8 @@ func TestIssue7SendDeadlineBoundsHTTP1Writes(t *testing.T) {
 	client := testHTTPClient(t, 0)
 	caller := &ledger.Caller{Ledger: env.ledger, HTTP: client}
 	ctx := context.Background()
-	const delay = 200 * time.Millisecond
+	// Long enough for the submit and the dial even on a loaded machine.
+	const delay = 500 * time.Millisecond
 
 	t.Run("stalled body", func(t *testing.T) {
 		type read struct {
@@ -316,6 +317,49 @@ func TestIssue7SendDeadlineBoundsHTTP1Writes(t *testing.T) {
 			t.Fatalf("server saw %d requests, want 2", n)
 		}
 	})
+}
+
+// Issue 7, path 3: an HTTP/2 connection is shared, so Do never sets its
+// write deadline: a request whose headers went out in time succeeds however
+// late its answer comes, and the connection keeps serving requests after
+// that request's deadline.
+func TestIssue7SendDeadlineLeavesHTTP2Alone(t *testing.T) {
+	env := newHTTPEnv(t)
+	const delay = 500 * time.Millisecond
+	var protos sync.Map
+	srv := httptest.NewUnstartedServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		io.Copy(io.Discard, r.Body)
+		protos.Store(r.Proto, true)
+		if r.Header.Get("X-Slow") != "" {
+			// Answer after the request's send deadline has passed.
+			<-time.After(2 * delay)
+		}
+		writeJSON(w, 201, `{"id":"art_h2"}`)
+	}))
+	srv.EnableHTTP2 = true
+	srv.StartTLS()
+	t.Cleanup(srv.Close)
+	client := srv.Client()
+	caller := &ledger.Caller{Ledger: env.ledger, HTTP: client}
+	ctx := context.Background()
+
+	in, req := articleCall(t, srv.URL+"/api/articles", "h2-slow-answer")
+	in.MaxSendDelay = delay
+	req.Header.Set("X-Slow", "1")
+	if res, err := caller.Do(ctx, in, req); err != nil || res.Response.ProtoMajor != 2 {
+		t.Fatalf("Do over HTTP/2 with a late answer: %v (response %v), want success over HTTP/2", err, res.Response)
+	}
+	in, req = articleCall(t, srv.URL+"/api/articles", "h2-after-deadline")
+	in.MaxSendDelay = delay
+	var reused atomic.Bool
+	trace := &httptrace.ClientTrace{GotConn: func(info httptrace.GotConnInfo) { reused.Store(info.Reused) }}
+	req = req.WithContext(httptrace.WithClientTrace(ctx, trace))
+	if _, err := caller.Do(httptrace.WithClientTrace(ctx, trace), in, req); err != nil || !reused.Load() {
+		t.Fatalf("second Do on the shared connection: %v (reused %v), want success on the same connection", err, reused.Load())
+	}
+	if _, ok := protos.Load("HTTP/2.0"); !ok {
+		t.Fatalf("the server saw no HTTP/2 request")
+	}
 }
 
 // Issue 7, path 4: Do never follows a redirect of the call. The 3xx is the
@@ -705,7 +749,10 @@ func TestIssue7SameIntentTwoKeysSentOnce(t *testing.T) {
 			}
 			req.Header.Set("X-Intent", fmt.Sprint(i))
 			in := ledger.Intent{IdempotencyKey: ledger.Key("task-guard", fmt.Sprintf("intent-%d-key-%d", i, g%2), "articles.create"),
-				Operation: "articles.create", Dependency: "blog-api", Payload: json.RawMessage(payload)}
+				Operation: "articles.create", Dependency: "blog-api", Payload: json.RawMessage(payload),
+				// 500 calls share the pool: the deadline is not what
+				// this test is about.
+				MaxSendDelay: time.Minute}
 			wg.Go(func() {
 				<-start
 				res, err := caller.Do(context.Background(), in, req)

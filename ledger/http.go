@@ -379,8 +379,15 @@ func (c *Caller) Do(ctx context.Context, in Intent, req *http.Request) (*Result,
 		// ledger whatever the response said.
 		note := fmt.Sprintf("recording the outcome (%s) failed: %v", v.Outcome, err)
 		var ce *ConflictError
-		if errors.As(err, &ce) && movedOnBySweep(ce.Actual) {
+		errors.As(err, &ce)
+		switch {
+		case ce != nil && movedOnBySweep(ce.Actual):
 			note = c.recordLate(ctx, sub, ce.Actual, ex, v, detail)
+		case ce != nil && ce.Actual == statemachine.SafeToRetry && v.Outcome == OutcomeSucceeded:
+			// The reconciler proved an absence that this response
+			// contradicts: a declared lifetime or window is too short.
+			note = fmt.Sprintf("the reconciler settled the receipt safe_to_retry before the response arrived, but the response says the effect happened (external id %q): do not retry this step; the dependency's declared send deadline, request lifetime or consistency window is too short",
+				v.ExternalID)
 		}
 		gctx, cancel := c.writeContext(ctx)
 		if cur, gerr := c.Ledger.Get(gctx, sub.ID); gerr == nil {
@@ -719,8 +726,9 @@ func (c *Caller) classify(ex Exchange) (v Verdict, overridden bool) {
 
 // DefaultClassify is the classification of SPEC §4:
 //
-//   - nothing sent (any failure before the transport had a connection):
-//     rejected, retryable, not_sent;
+//   - nothing sent (any failure before the transport had a connection,
+//     including the send deadline passing first): rejected, retryable,
+//     not_sent;
 //   - sent, then no response (timeout, reset, EOF, canceled): outcome_unknown;
 //   - 2xx whose body was read whole and, when it is or looks like JSON,
 //     parses: succeeded; otherwise outcome_unknown (truncated_body,
