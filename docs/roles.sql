@@ -132,12 +132,16 @@ GRANT EXECUTE ON FUNCTION reconciler.transition_error(text, text, text)
 -- (reconciler.record_late_outcome), read its receipts and their history.
 -- (INSERT of max_send_delay and guarded too: plan writes both, and an
 -- unguarded receipt is what allow_duplicate asks for, which the agent may.)
+-- retry_error decides, inside plan and the insert trigger, whether a
+-- receipt may be retried, which includes reading its late outcomes.
 GRANT EXECUTE ON FUNCTION
     reconciler.plan(text, text, text, text, text, text, jsonb, text, boolean, bigint, jsonb, interval),
+    reconciler.retry_error(reconciler.receipts),
     reconciler.transition(bigint, text, text, jsonb, text, text),
     reconciler.record_late_outcome(bigint, text, text, integer, text, jsonb)
     TO reconciler_agent;
-GRANT SELECT ON reconciler.receipts, reconciler.receipt_events, reconciler.receipt_keys
+GRANT SELECT ON reconciler.receipts, reconciler.receipt_events, reconciler.receipt_keys,
+                reconciler.late_outcomes
     TO reconciler_agent;
 GRANT INSERT (idempotency_key, operation, dependency, method, target, fingerprint, intent,
               state_actor, attempt, retry_of, pre_image, max_send_delay, guarded)

@@ -386,8 +386,10 @@ func (c *Caller) Do(ctx context.Context, in Intent, req *http.Request) (*Result,
 		case ce != nil && ce.Actual == statemachine.SafeToRetry && v.Outcome == OutcomeSucceeded:
 			// The reconciler proved an absence that this response
 			// contradicts: a declared lifetime or window is too short.
-			note = fmt.Sprintf("the reconciler settled the receipt safe_to_retry before the response arrived, but the response says the effect happened (external id %q): do not retry this step; the dependency's declared send deadline, request lifetime or consistency window is too short",
-				v.ExternalID)
+			// Recorded, the late success makes the database refuse any
+			// retry of the receipt (reconciler.retry_error).
+			note = c.recordLate(ctx, sub, ce.Actual, ex, v, detail) +
+				": the response contradicts the settled absence, so the dependency's declared send deadline, request lifetime or consistency window is too short"
 		}
 		gctx, cancel := c.writeContext(ctx)
 		if cur, gerr := c.Ledger.Get(gctx, sub.ID); gerr == nil {
@@ -410,7 +412,8 @@ func movedOnBySweep(s statemachine.State) bool {
 }
 
 // recordLate keeps the outcome observed for a receipt the sweep moved on
-// before the response arrived, and returns the note Do's error carries.
+// (or the reconciler settled safe_to_retry) before the response arrived,
+// and returns the note Do's error carries.
 func (c *Caller) recordLate(ctx context.Context, sub *Receipt, now statemachine.State, ex Exchange, v Verdict, d Detail) string {
 	wctx, cancel := c.writeContext(ctx)
 	defer cancel()
@@ -422,8 +425,12 @@ func (c *Caller) recordLate(ctx context.Context, sub *Receipt, now statemachine.
 		return fmt.Sprintf("the receipt was moved to %s before the response arrived, and recording the observed outcome (%s) as a late outcome failed: %v",
 			now, observed, err)
 	}
-	return fmt.Sprintf("the receipt was moved to %s before the response arrived; the observed outcome (%s) is recorded as a late outcome and the reconciler will settle the receipt from it",
-		now, observed)
+	then := "the reconciler will settle the receipt from it"
+	if now == statemachine.SafeToRetry {
+		then = "the database refuses any retry of the receipt from now on"
+	}
+	return fmt.Sprintf("the receipt was moved to %s before the response arrived; the observed outcome (%s) is recorded as a late outcome and %s",
+		now, observed, then)
 }
 
 func (c *Caller) check(in *Intent, req *http.Request) error {

@@ -800,6 +800,50 @@ func TestLateOutcomes(t *testing.T) {
 	mustMove(t, pool, other, "reconciler:r1", "safe_to_retry")
 }
 
+// TestLateSuccessAfterSafeToRetry: a success that reaches the agent after
+// the reconciler settled its receipt safe_to_retry (a declared window too
+// short) is recorded, and from then on the database refuses every retry of
+// that receipt: the effect exists, so attempt n+1 would be a duplicate.
+// (Issue 7, late outcomes; the risk left by the orphan-sweep fix.)
+func TestLateSuccessAfterSafeToRetry(t *testing.T) {
+	pool := pgtest.NewPool(t)
+	ctx := context.Background()
+	id := mustPlan(t, pool, planArgs{key: "late:settled", fp: fpOf(5)})
+	mustMove(t, pool, id, "agent:a", "submitted")
+	mustMove(t, pool, id, "reconciler:r1", "outcome_unknown", "reconciling", "safe_to_retry")
+	if _, err := pool.Exec(ctx, `SELECT reconciler.record_late_outcome(receipt_id => $1, actor => 'agent:a',
+		outcome => 'succeeded', http_status => 201, external_id => 'post-9')`, id); err != nil {
+		t.Fatalf("late success after safe_to_retry: %v", err)
+	}
+	_, err := planSQL(ctx, pool, planArgs{key: "late:settled#2", fp: fpOf(5), retryOf: id})
+	if sqlState(err) != "RL002" || !strings.Contains(err.Error(), "success") {
+		t.Fatalf("retry of a receipt with a late success: got %v, want RL002 naming the late success", err)
+	}
+	var n int
+	if err := pool.QueryRow(ctx, `SELECT count(*) FROM reconciler.receipts WHERE retry_of = $1`, id).Scan(&n); err != nil || n != 0 {
+		t.Errorf("refused retry left %d receipts (%v)", n, err)
+	}
+}
+
+// TestInsertedRetryObeysRetryRules: a client that INSERTs a retry itself
+// instead of calling reconciler.plan meets the same rule: only a
+// safe_to_retry receipt or a retryable rejection may be retried. Otherwise
+// a retry of an outcome_unknown receipt, inserted unguarded, would be sent
+// while the original may have taken effect.
+func TestInsertedRetryObeysRetryRules(t *testing.T) {
+	pool := pgtest.NewPool(t)
+	ctx := context.Background()
+	unknown := mustPlan(t, pool, planArgs{key: "insert:unknown", fp: fpOf(6)})
+	mustMove(t, pool, unknown, "agent:a", "submitted", "outcome_unknown")
+	_, err := pool.Exec(ctx, `INSERT INTO reconciler.receipts (idempotency_key, operation, dependency, method,
+		target, fingerprint, intent, state_actor, attempt, retry_of, guarded)
+		VALUES ('insert:unknown#2', 'articles.create', 'blog-api', 'POST', '/articles', $1, '{}', 'agent:a', 2, $2, false)`,
+		fpOf(6), unknown)
+	if sqlState(err) != "RL002" {
+		t.Fatalf("inserted retry of an outcome_unknown receipt: got %v, want RL002", err)
+	}
+}
+
 // TestMigration00004Down: the soundness migration's Down restores the
 // schema of 00003 (plan's old signature, no new columns or tables), and Up
 // applies again on top of it.

@@ -51,6 +51,29 @@ CREATE TRIGGER late_outcomes_append_only BEFORE UPDATE OR DELETE ON reconciler.l
 CREATE TRIGGER late_outcomes_no_truncate BEFORE TRUNCATE ON reconciler.late_outcomes
     FOR EACH STATEMENT EXECUTE FUNCTION reconciler.refuse_rewrite();
 
+-- reconciler.retry_error returns NULL when prev may be retried (attempt n+1
+-- linked to it), else why not: only what was proven absent, or refused
+-- before any effect could happen (nothing sent, or the API said come back
+-- later: the recorded error says which), and never a receipt whose agent
+-- received a success after it was settled (a late outcome contradicting
+-- the settlement: the effect exists). One rule for reconciler.plan and for
+-- a plain INSERT of a retry.
+-- +goose StatementBegin
+CREATE FUNCTION reconciler.retry_error(prev reconciler.receipts) RETURNS text
+LANGUAGE sql STABLE AS $$
+    SELECT CASE
+        WHEN NOT (prev.state = 'safe_to_retry'
+                  OR prev.state = 'rejected' AND (prev.state_detail #>> '{error,retryable}') = 'true')
+            THEN format('receipt %s is %s, neither safe_to_retry nor a retryable rejection: it cannot be retried',
+                        prev.id, prev.state)
+        WHEN EXISTS (SELECT FROM reconciler.late_outcomes l
+                     WHERE l.receipt_id = prev.id AND l.outcome = 'succeeded')
+            THEN format('receipt %s is %s, but its agent received a success after that (reconciler.late_outcomes): '
+                        'the effect exists and must not be sent again; a human must look', prev.id, prev.state)
+    END
+$$;
+-- +goose StatementEnd
+
 -- A row starts in planned, stamped by the database's clock. Keys (path 7):
 -- the logical key of a receipt is its key without a final "#<digits>",
 -- which only a retry's key may have; so a first attempt's key must not end
@@ -60,10 +83,12 @@ CREATE TRIGGER late_outcomes_no_truncate BEFORE TRUNCATE ON reconciler.late_outc
 -- +goose StatementBegin
 CREATE OR REPLACE FUNCTION reconciler.receipts_before_insert() RETURNS trigger LANGUAGE plpgsql AS $$
 DECLARE
+    prev reconciler.receipts;
     prev_key text;
     prev_attempt integer;
     prev_dependency text;
     prev_fingerprint text;
+    why text;
 BEGIN
     IF NEW.state <> 'planned' THEN
         RAISE EXCEPTION 'illegal transition (new) -> %: a receipt starts in planned', NEW.state
@@ -96,11 +121,17 @@ BEGIN
                 USING ERRCODE = 'check_violation';
         END IF;
     ELSE
-        SELECT x.idempotency_key, x.attempt, x.dependency, x.fingerprint
-        INTO prev_key, prev_attempt, prev_dependency, prev_fingerprint
-        FROM reconciler.receipts x WHERE x.id = NEW.retry_of;
+        SELECT * INTO prev FROM reconciler.receipts x WHERE x.id = NEW.retry_of;
         -- (No such receipt: the foreign key refuses the row.)
         IF FOUND THEN
+            prev_key := prev.idempotency_key;
+            prev_attempt := prev.attempt;
+            prev_dependency := prev.dependency;
+            prev_fingerprint := prev.fingerprint;
+            why := reconciler.retry_error(prev);
+            IF why IS NOT NULL THEN
+                RAISE EXCEPTION '%', why USING ERRCODE = 'RL002';
+            END IF;
             IF prev_dependency <> NEW.dependency OR prev_fingerprint <> NEW.fingerprint THEN
                 RAISE EXCEPTION 'a retry of receipt % must repeat its intent (%, %), got (%, %)',
                     NEW.retry_of, prev_dependency, prev_fingerprint, NEW.dependency, NEW.fingerprint
@@ -356,10 +387,9 @@ BEGIN
         -- effect could happen and may be sent again (nothing was sent, or
         -- the API said come back later): the error the rejection recorded
         -- says which.
-        IF NOT (prev.state = 'safe_to_retry'
-                OR prev.state = 'rejected' AND (prev.state_detail #>> '{error,retryable}') = 'true') THEN
-            RAISE EXCEPTION 'receipt % is %, neither safe_to_retry nor a retryable rejection: it cannot be retried',
-                prev.id, prev.state USING ERRCODE = 'RL002';
+        want := reconciler.retry_error(prev);
+        IF want IS NOT NULL THEN
+            RAISE EXCEPTION '%', want USING ERRCODE = 'RL002';
         END IF;
         -- A retry repeats its intent. Refused before anything is inserted,
         -- so a wrong payload never takes (and wedges) the step's next key.
@@ -405,8 +435,11 @@ $$;
 
 -- reconciler.record_late_outcome records what an agent learned about its
 -- own call after the orphan sweep had moved the receipt out of submitted:
--- only for a receipt in outcome_unknown, reconciling or manual_review whose
--- planned -> submitted move was made by actor; RL002 otherwise. It holds
+-- only for a receipt in outcome_unknown, reconciling, manual_review or
+-- safe_to_retry (a success that arrives after an absence was settled means a
+-- declared window was too short: recorded, it stops any retry of the
+-- receipt, see retry_error) whose planned -> submitted move was made by
+-- actor; RL002 otherwise. It holds
 -- the receipt (FOR SHARE) while it writes, so a concurrent settlement
 -- either commits first (and this call is refused) or sees the row (and a
 -- late success keeps the receipt from safe_to_retry). SECURITY DEFINER, so
@@ -434,7 +467,7 @@ BEGIN
     SELECT e.actor INTO submitter FROM reconciler.receipt_events e
     WHERE e.receipt_id = record_late_outcome.receipt_id
       AND e.from_state = 'planned' AND e.to_state = 'submitted';
-    IF st NOT IN ('outcome_unknown', 'reconciling', 'manual_review')
+    IF st NOT IN ('outcome_unknown', 'reconciling', 'manual_review', 'safe_to_retry')
        OR submitter IS DISTINCT FROM record_late_outcome.actor THEN
         RAISE EXCEPTION 'receipt % is % (submitted by %): no late outcome by % is recorded for it',
             record_late_outcome.receipt_id, st, coalesce(submitter, 'nobody'), record_late_outcome.actor
@@ -451,6 +484,7 @@ $$;
 -- +goose Down
 DROP FUNCTION reconciler.record_late_outcome(bigint, text, text, integer, text, jsonb);
 DROP FUNCTION reconciler.plan(text, text, text, text, text, text, jsonb, text, boolean, bigint, jsonb, interval);
+DROP FUNCTION reconciler.retry_error(reconciler.receipts);
 DROP TABLE reconciler.late_outcomes;
 
 -- The functions of 00001, as they were.
