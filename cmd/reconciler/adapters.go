@@ -14,6 +14,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/urfave/cli/v2"
 
+	"github.com/receiptledger/reconciler/internal/dbclock"
 	"github.com/receiptledger/reconciler/readback"
 	"github.com/receiptledger/reconciler/readback/httpadapter"
 	"github.com/receiptledger/reconciler/reconcile"
@@ -74,6 +75,15 @@ func adaptersCheckAction(c *cli.Context) error {
 			return cli.Exit(fmt.Sprintf("adapters check: database: %v", err), 1) // pgx redacts passwords
 		}
 		defer db.Close()
+		// Reads end their window at the database's now, as under `run`.
+		clock := dbclock.New(db)
+		if _, err := clock.Sync(c.Context); err != nil {
+			return cli.Exit(fmt.Sprintf("adapters check: database: %v", err), 1)
+		}
+		if reg, err = httpadapter.LoadFile(path, nil, httpadapter.WithClock(clock.Now)); err != nil {
+			return cli.Exit(fmt.Sprintf("adapters check: %v", err), 1)
+		}
+		bindings = reg.Bindings()
 	}
 	failed := 0
 	if c.Bool("control") {

@@ -110,15 +110,14 @@ func runAction(c *cli.Context) error {
 	base := slog.New(slog.NewJSONHandler(c.App.ErrWriter, &slog.HandlerOptions{Level: level}))
 	logger := base.With("instance", instance)
 
-	reg := readback.NewRegistry()
+	// The adapters file is checked before anything connects, so a bad file
+	// fails at once; its adapters are built once the database's clock is
+	// known, below.
 	adaptersPath := c.String("adapters")
-	if path := adaptersPath; path != "" {
-		var err error
-		if reg, err = httpadapter.LoadFile(path, nil); err != nil {
+	if adaptersPath != "" {
+		if _, err := httpadapter.LoadFile(adaptersPath, nil); err != nil {
 			return cli.Exit(fmt.Sprintf("run: %v", err), 1)
 		}
-	} else {
-		logger.Warn("no adapters file: every receipt will go to manual_review as adapter-less")
 	}
 
 	db, err := pgxpool.New(ctx, c.String("database-url"))
@@ -143,6 +142,18 @@ func runAction(c *cli.Context) error {
 	} else if smp.Skew > time.Second || smp.Skew < -time.Second {
 		logger.Warn("this host's clock differs from the database's by more than a second; "+
 			"the reconciler uses the database's clock", "skew_s", smp.Skew.Seconds())
+	}
+
+	// The http adapters end their search window at "now": the database's
+	// now, not this host's, or a host whose clock runs behind would leave
+	// the newest items out of the window and read them as absent.
+	reg := readback.NewRegistry()
+	if adaptersPath != "" {
+		if reg, err = httpadapter.LoadFile(adaptersPath, nil, httpadapter.WithClock(clock.Now)); err != nil {
+			return cli.Exit(fmt.Sprintf("run: %v", err), 1)
+		}
+	} else {
+		logger.Warn("no adapters file: every receipt will go to manual_review as adapter-less")
 	}
 
 	promReg := prometheus.NewRegistry()
