@@ -186,7 +186,7 @@ func printSettled(w io.Writer, r readback.Receipt, state string, s *settlement) 
 
 func printBindings(w io.Writer, bs []readback.Binding) {
 	tw := tabwriter.NewWriter(w, 2, 4, 2, ' ', 0)
-	fmt.Fprintln(tw, "NAME\tTYPE\tKIND\tDEPENDENCY\tOPERATIONS\tABSENCE CONCLUSIVE AFTER\tCONTROL")
+	fmt.Fprintln(tw, "NAME\tTYPE\tKIND\tDEPENDENCY\tOPERATIONS\tABSENCE CONCLUSIVE AT SEND DEADLINE +\tCONTROL")
 	for _, b := range bs {
 		ops := strings.Join(b.Operations, ",")
 		if ops == "" {

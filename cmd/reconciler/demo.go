@@ -100,8 +100,11 @@ func runDemo(ctx context.Context, out io.Writer, dbURL string, tasks int, faultR
 		if err != nil {
 			return err
 		}
+		// The API is local: a request not written within half a second
+		// is not written at all, which keeps the absence window short.
 		_, err = caller.Do(ctx, ledger.Intent{IdempotencyKey: key, Operation: "articles.create",
-			Dependency: "blog-api", Method: "POST", Target: "/api/articles", Payload: body}, req)
+			Dependency: "blog-api", Method: "POST", Target: "/api/articles", Payload: body,
+			MaxSendDelay: 500 * time.Millisecond}, req)
 		return err
 	}
 
@@ -129,6 +132,7 @@ func runDemo(ctx context.Context, out io.Writer, dbURL string, tasks int, faultR
 		if err != nil {
 			return err
 		}
+		waited := 0
 		for round := 1; ; round++ {
 			sum, err := rec.Drain(ctx)
 			if err != nil {
@@ -139,8 +143,18 @@ func runDemo(ctx context.Context, out io.Writer, dbURL string, tasks int, faultR
 				WHERE state IN ('outcome_unknown', 'reconciling', 'submitted')`).Scan(&left); err != nil {
 				return err
 			}
-			fmt.Fprintf(out, "   round %d: settled succeeded=%d safe_to_retry=%d manual_review=%d; still unresolved: %d\n", round,
-				sum.Settled[statemachine.Succeeded], sum.Settled[statemachine.SafeToRetry], sum.Settled[statemachine.ManualReview], left)
+			settled := sum.Settled[statemachine.Succeeded] + sum.Settled[statemachine.SafeToRetry] + sum.Settled[statemachine.ManualReview]
+			if settled == 0 && left > 0 {
+				// Absent answers wait for the absence window (send
+				// deadline + request lifetime + consistency window).
+				waited++
+				if waited == 1 {
+					fmt.Fprintf(out, "   waiting for the absence window: an absent article proves nothing until the original request can no longer land\n")
+				}
+			} else {
+				fmt.Fprintf(out, "   round %d: settled succeeded=%d safe_to_retry=%d manual_review=%d; still unresolved: %d\n", round,
+					sum.Settled[statemachine.Succeeded], sum.Settled[statemachine.SafeToRetry], sum.Settled[statemachine.ManualReview], left)
+			}
 			if left == 0 {
 				return nil
 			}
@@ -166,7 +180,7 @@ func runDemo(ctx context.Context, out io.Writer, dbURL string, tasks int, faultR
 
 	dups, missing := api.audit(tasks)
 	var succeeded int
-	if err := pool.QueryRow(ctx, `SELECT count(DISTINCT split_part(idempotency_key, '#', 1))
+	if err := pool.QueryRow(ctx, `SELECT count(DISTINCT regexp_replace(idempotency_key, '#[0-9]+$', ''))
 		FROM reconciler.receipts WHERE state = 'succeeded'`).Scan(&succeeded); err != nil {
 		return err
 	}
