@@ -77,30 +77,36 @@ CREATE TRIGGER late_outcomes_no_truncate BEFORE TRUNCATE ON reconciler.late_outc
 -- the retry was planned still stops it being sent).
 -- +goose StatementBegin
 CREATE FUNCTION reconciler.retry_error(prev reconciler.receipts) RETURNS text
-LANGUAGE sql STABLE AS $$
-    SELECT CASE
-        WHEN NOT (prev.state = 'safe_to_retry'
-                  OR prev.state = 'rejected' AND (prev.state_detail #>> '{error,retryable}') = 'true')
-            THEN format('receipt %s is %s, neither safe_to_retry nor a retryable rejection: it cannot be retried',
-                        prev.id, prev.state)
-        WHEN l.outcome = 'succeeded'
-            THEN format('receipt %s is %s, but its agent received a success after the orphan sweep moved it '
-                        '(late outcome %s at %s, HTTP %s, external id %s; reconciler.late_outcomes): the effect exists '
-                        'and must not be sent again; a human must look', prev.id, prev.state, l.id, l.at,
-                        coalesce(l.http_status::text, 'none'), coalesce(l.external_id, 'none'))
-        WHEN l.outcome = 'outcome_unknown'
-            THEN format('receipt %s is %s, but its agent saw its call still alive after the orphan sweep moved it, '
-                        'with no answer it could read (late outcome_unknown %s at %s, HTTP %s; '
-                        'reconciler.late_outcomes): the request outlived the window the settlement assumed, so the '
-                        'effect may exist and must not be sent again; a human must look', prev.id, prev.state, l.id,
-                        l.at, coalesce(l.http_status::text, 'none'))
-    END
-    -- The late outcome that refuses, a success first.
-    FROM (SELECT 1) one
-    LEFT JOIN LATERAL (SELECT x.id, x.at, x.outcome, x.http_status, x.external_id
-                       FROM reconciler.late_outcomes x
-                       WHERE x.receipt_id = prev.id AND x.outcome IN ('succeeded', 'outcome_unknown')
-                       ORDER BY x.outcome = 'succeeded' DESC, x.id LIMIT 1) l ON true
+LANGUAGE plpgsql STABLE AS $$
+DECLARE
+    l reconciler.late_outcomes;
+BEGIN
+    IF NOT (prev.state = 'safe_to_retry'
+            OR prev.state = 'rejected' AND (prev.state_detail #>> '{error,retryable}') = 'true') THEN
+        RETURN format('receipt %s is %s, neither safe_to_retry nor a retryable rejection: it cannot be retried',
+                      prev.id, prev.state);
+    END IF;
+    -- The late outcome that refuses, a success first. (PL/pgSQL, not SQL:
+    -- the query's plan is kept for the session, which a retry's submission,
+    -- running this on every retry, would otherwise pay for each time.)
+    SELECT * INTO l FROM reconciler.late_outcomes x
+    WHERE x.receipt_id = prev.id AND x.outcome IN ('succeeded', 'outcome_unknown')
+    ORDER BY x.outcome = 'succeeded' DESC, x.id LIMIT 1;
+    IF NOT FOUND THEN
+        RETURN NULL;
+    END IF;
+    IF l.outcome = 'succeeded' THEN
+        RETURN format('receipt %s is %s, but its agent received a success after the orphan sweep moved it '
+                      '(late outcome %s at %s, HTTP %s, external id %s; reconciler.late_outcomes): the effect exists '
+                      'and must not be sent again; a human must look', prev.id, prev.state, l.id, l.at,
+                      coalesce(l.http_status::text, 'none'), coalesce(l.external_id, 'none'));
+    END IF;
+    RETURN format('receipt %s is %s, but its agent saw its call still alive after the orphan sweep moved it, '
+                  'with no answer it could read (late outcome_unknown %s at %s, HTTP %s; '
+                  'reconciler.late_outcomes): the request outlived the window the settlement assumed, so the '
+                  'effect may exist and must not be sent again; a human must look', prev.id, prev.state, l.id,
+                  l.at, coalesce(l.http_status::text, 'none'));
+END
 $$;
 -- +goose StatementEnd
 
