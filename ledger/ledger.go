@@ -537,7 +537,7 @@ func (c *Client) Retry(ctx context.Context, prev *Receipt, in Intent) (*Receipt,
 	r, err := c.plan(ctx, in, fp, prev.ID)
 	if errors.Is(err, ErrStateConflict) {
 		// reconciler.retry_error refused it (RL002).
-		return nil, fmt.Errorf("%w: %w", ErrRetryRefused, err)
+		return nil, fmt.Errorf("ledger: retry receipt %d: %w, nothing sent: %w", prev.ID, ErrRetryRefused, err)
 	}
 	return r, err
 }
