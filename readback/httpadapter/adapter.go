@@ -159,6 +159,29 @@ func (a *Adapter) shape() string {
 	return "fetch without compare"
 }
 
+// AbsenceNote says, for `reconciler adapters check`, what an absence read
+// by this adapter relies on when the file's choices decide it, or "" when
+// nothing needs saying. Today: an unpaged list (pagination style none),
+// whose absence is authoritative only when declared whole or narrowed to
+// the receipt's key.
+func (a *Adapter) AbsenceNote() string {
+	s := a.cfg.search
+	if s == nil || a.cfg.pagination.Style != "none" {
+		return ""
+	}
+	switch {
+	case a.cfg.pagination.WholeList:
+		return "unpaged list declared whole (search.pagination.whole_list): its absences rely on the endpoint " +
+			"answering the whole collection in one response, never a first page"
+	case s.narrowed:
+		return "unpaged list narrowed to the receipt's key: an absence is authoritative only when no item " +
+			"returned lacks the marker (the API honoured the filter)"
+	}
+	return "unpaged list neither narrowed to the receipt's key nor declared whole: no absence it reads is " +
+		"authoritative, so none settles safe_to_retry; declare the pagination, name the key in the query, " +
+		"or set search.pagination.whole_list if the endpoint answers the whole collection"
+}
+
 // Evidence is what a check records besides its query: enough for a human
 // to see why the adapter answered as it did.
 type Evidence struct {
