@@ -191,7 +191,7 @@ func TestUnpagedListAbsence(t *testing.T) {
 			verdict: readback.VerdictPresent, authoritative: true},
 		{name: "the cursor declared properly, ours absent: read to has_more false",
 			pagination: "{style: cursor, cursor: /next_cursor, has_more: /has_more, param: cursor}",
-			verdict: readback.VerdictAbsent, authoritative: true},
+			verdict:    readback.VerdictAbsent, authoritative: true},
 		{name: "has_more declared, cursor pointer names nothing: the list may go on",
 			pagination: "{style: cursor, cursor: /next, has_more: /has_more, param: cursor}", ours: true,
 			verdict: readback.VerdictAbsent, reason: "no cursor"},
