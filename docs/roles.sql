@@ -53,24 +53,53 @@
 --   * late_outcomes is written only by reconciler.record_late_outcome
 --     (SECURITY DEFINER, migration 00004), which the agent may call; no role
 --     has INSERT on it, and refuse_rewrite refuses UPDATE, DELETE, TRUNCATE.
+--   * receipts.submitted_by (the login that submitted) is granted to no
+--     role, for INSERT or UPDATE: the triggers write it (NULL on insert,
+--     current_user on planned -> submitted) and refuse any change (RL006).
 --
 -- What the receipts triggers enforce on top of the grants (migration 00004),
 -- whoever holds the privilege:
 --   * Who may move (issue 7, path 8). A login that is a member of
 --     reconciler_agent and of neither reconciler_worker nor
 --     reconciler_reviewer makes only the agent's moves: planned -> submitted
---     or rejected, submitted -> succeeded, rejected or outcome_unknown.
+--     or rejected, submitted -> succeeded, rejected or outcome_unknown;
+--     and the moves out of submitted only for a receipt it submitted
+--     itself (current_user = receipts.submitted_by, whatever actor it
+--     writes: another agent's login cannot settle an in-flight call, e.g.
+--     as a retryable not_sent, and retry it). Any agent login may submit a
+--     planned receipt (plan is idempotent per key, so a restarted agent
+--     under another login gets the same planned receipt); the submission
+--     is a compare-and-set on planned, so exactly one login submits, and
+--     that login alone sends, settles and records late outcomes for it.
 --     Moves to or from reconciling, and outcome_unknown -> manual_review,
 --     need membership of reconciler_worker or reconciler_reviewer (or the
 --     table's owner); leaving manual_review needs reconciler_reviewer and a
---     human actor. Refused with SQLSTATE RL001, by UPDATE or through
---     reconciler.transition alike. (Only those moves look up roles: the
---     agent's plan/submit/settle path pays nothing for it.)
+--     human actor. Refused with SQLSTATE RL001 (naming the submitting login
+--     for a move out of submitted), by UPDATE or through
+--     reconciler.transition alike. The agent's hot path pays no role
+--     lookup: planned -> submitted none, a move out of submitted one name
+--     comparison (roles are looked up only when the login is not the
+--     submitter: the worker's orphan sweep, or a refusal). Agent logins
+--     use their own login's rights (no SET ROLE): submitted_by is the
+--     login's name.
+--   * Late outcomes: reconciler.record_late_outcome takes any outcome for a
+--     receipt in outcome_unknown, reconciling, manual_review or
+--     safe_to_retry from the actor that submitted it and, for a login only
+--     in reconciler_agent, only from the login that submitted it
+--     (session_user = submitted_by); RL002 otherwise.
+--   * Retries: reconciler.retry_error refuses a retry (RL002) of a receipt
+--     that is neither safe_to_retry nor a retryable rejection, or has a
+--     late outcome 'succeeded' or 'outcome_unknown' (a human must look). It
+--     runs at plan, on a plain INSERT of a retry, and again on the retry's
+--     planned -> submitted move, which locks the retried receipt FOR SHARE
+--     first (so it serializes with record_late_outcome's FOR UPDATE): the
+--     agent's UPDATE privilege on receipts is what lets its submission take
+--     that lock, and its SELECT on late_outcomes what lets retry_error read.
 --   * Immutable columns (path 9). No UPDATE changes idempotency_key,
 --     operation, dependency, method, target, fingerprint, intent, pre_image,
 --     attempt, retry_of, created_at, max_send_delay, guarded, submitted_at,
---     unknown_since, updated_at or version (the trigger stamps the times and
---     the version on moves); an UPDATE that is no move (same state) changes
+--     submitted_by, unknown_since, updated_at or version (the trigger stamps
+--     the times, the submitting login and the version on moves); an UPDATE that is no move (same state) changes
 --     neither state_actor, state_detail nor external_id. RL006. So the
 --     column grants below are only the columns a component writes; the
 --     worker's bookkeeping (lease_owner, lease_expires_at, next_check_at,
@@ -132,8 +161,11 @@ GRANT EXECUTE ON FUNCTION reconciler.transition_error(text, text, text)
 -- (reconciler.record_late_outcome), read its receipts and their history.
 -- (INSERT of max_send_delay and guarded too: plan writes both, and an
 -- unguarded receipt is what allow_duplicate asks for, which the agent may.)
--- retry_error decides, inside plan and the insert trigger, whether a
--- receipt may be retried, which includes reading its late outcomes.
+-- retry_error decides, inside plan, the insert trigger and a retry's
+-- submission (which locks the retried receipt FOR SHARE: that needs the
+-- UPDATE privilege below), whether a receipt may be retried, which
+-- includes reading its late outcomes. submitted_by is not granted: the
+-- trigger stamps it.
 GRANT EXECUTE ON FUNCTION
     reconciler.plan(text, text, text, text, text, text, jsonb, text, boolean, bigint, jsonb, interval),
     reconciler.retry_error(reconciler.receipts),

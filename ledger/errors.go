@@ -44,6 +44,15 @@ var (
 	// was written, and the receipt is rejected as not_sent, retryable.
 	// An OutcomeError carrying it also matches ErrNotSent.
 	ErrSendDeadline = errors.New("send deadline passed before the request could be written")
+	// ErrRetryRefused means the database refuses a retry of a receipt
+	// (reconciler.retry_error): it is not retryable, or its agent received
+	// a late answer after it was settled (a success, or an answer that
+	// leaves the effect unknown) that shows the effect exists or may
+	// exist. Returned by Retry (planning the next attempt; it then also
+	// matches ErrStateConflict) and by Submit (so by Caller.Do) when the
+	// late answer was recorded between the retry's plan and its submit:
+	// the retry stays planned and nothing is sent.
+	ErrRetryRefused = errors.New("retry refused")
 )
 
 // DuplicateError is returned by Plan when the intent's fingerprint is

@@ -4,6 +4,7 @@ package ledger_test
 // (or confirms and fixes one of its suspicions) and says which.
 
 import (
+	"bufio"
 	"context"
 	"encoding/json"
 	"errors"
@@ -900,4 +901,148 @@ func TestIssue7TimesFromTheDatabase(t *testing.T) {
 			t.Errorf("Plan with MaxSendDelay %v: %v, want ErrInvalidIntent", d, err)
 		}
 	}
+}
+
+// rawServer answers every request on a plain TCP listener with a 201 and
+// hands the raw request head (and an empty chunked body's bytes, if any)
+// to heads.
+func rawServer(t *testing.T) (string, chan string) {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { ln.Close() })
+	heads := make(chan string, 16)
+	go func() {
+		for {
+			conn, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			go func() {
+				defer conn.Close()
+				br := bufio.NewReader(conn)
+				var head strings.Builder
+				for {
+					line, err := br.ReadString('\n')
+					head.WriteString(line)
+					if err != nil || line == "\r\n" {
+						break
+					}
+				}
+				if strings.Contains(strings.ToLower(head.String()), "transfer-encoding: chunked") {
+					b := make([]byte, 5) // "0\r\n\r\n"
+					n, _ := io.ReadFull(br, b)
+					head.Write(b[:n])
+				}
+				heads <- head.String()
+				io.WriteString(conn, "HTTP/1.1 201 Created\r\nContent-Type: application/json\r\nContent-Length: 11\r\nConnection: close\r\n\r\n{\"id\":\"x1\"}")
+			}()
+		}
+	}()
+	return "http://" + ln.Addr().String(), heads
+}
+
+// Issue 7, adversarial review: what Do writes for a body-less call, now
+// that net/http must never take it for replayable (see
+// TestBodylessCallIsNeverResentByTheTransport). Over HTTP/1 only (an http
+// URL, net/http's Transport): a keyed POST keeps "Content-Length: 0" and
+// its key header (lower-cased); GET and DELETE carry no body and no
+// length, as before. Through a RoundTripper that may speak HTTP/2, a POST
+// goes out with an empty chunked body.
+func TestBodylessCallOnTheWire(t *testing.T) {
+	pool := pgtest.NewPool(t)
+	base, heads := rawServer(t)
+	custom := roundTripperFunc(func(r *http.Request) (*http.Response, error) { return http.DefaultTransport.RoundTrip(r) })
+	for i, tc := range []struct {
+		name, method string
+		rt           http.RoundTripper
+		want, not    []string
+	}{
+		{"keyed POST", http.MethodPost, nil,
+			[]string{"POST /op HTTP/1.1\r\n", "\r\nContent-Length: 0\r\n", "\r\nidempotency-key: "}, []string{"Transfer-Encoding", "Idempotency-Key"}},
+		{"keyed DELETE", http.MethodDelete, nil,
+			[]string{"DELETE /op HTTP/1.1\r\n", "\r\nidempotency-key: "}, []string{"Content-Length", "Transfer-Encoding"}},
+		{"keyed GET", http.MethodGet, nil,
+			[]string{"GET /op HTTP/1.1\r\n", "\r\nIdempotency-Key: "}, []string{"Content-Length", "Transfer-Encoding"}},
+		{"keyed POST, custom RoundTripper", http.MethodPost, custom,
+			[]string{"POST /op HTTP/1.1\r\n", "\r\nTransfer-Encoding: chunked\r\n", "\r\n\r\n0\r\n\r\n", "\r\nIdempotency-Key: "}, []string{"Content-Length"}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			env := newHTTPEnvOn(t, pool)
+			key := ledger.Key("task-wire", fmt.Sprint(i), "op")
+			req, err := http.NewRequest(tc.method, base+"/op", nil)
+			if err != nil {
+				t.Fatal(err)
+			}
+			req.Header.Set("Idempotency-Key", key)
+			in := ledger.Intent{IdempotencyKey: key, Operation: "op", Dependency: fmt.Sprintf("wire-%d", i)}
+			tr := &http.Transport{}
+			t.Cleanup(tr.CloseIdleConnections)
+			client := &http.Client{Transport: tr}
+			if tc.rt != nil {
+				client = &http.Client{Transport: tc.rt}
+			}
+			if _, err := (&ledger.Caller{Ledger: env.ledger, HTTP: client}).Do(context.Background(), in, req); err != nil {
+				t.Fatal(err)
+			}
+			head := <-heads
+			for _, w := range tc.want {
+				if !strings.Contains(head, w) {
+					t.Errorf("request lacks %q:\n%s", w, head)
+				}
+			}
+			for _, n := range tc.not {
+				if strings.Contains(head, n+":") {
+					t.Errorf("request has %q:\n%s", n, head)
+				}
+			}
+			t.Logf("%s", head)
+		})
+	}
+}
+
+type roundTripperFunc func(*http.Request) (*http.Response, error)
+
+func (f roundTripperFunc) RoundTrip(r *http.Request) (*http.Response, error) { return f(r) }
+
+// Issue 7, adversarial review: the second line of defence against a
+// resend. A RoundTripper that retries on its own (here one that sends the
+// request again after an EOF, as retrying middlewares do) gets a second
+// connection after the request was written on the first: Do refuses it,
+// the new connection's write deadline is in the past so nothing is written
+// on it, and the receipt is outcome_unknown with code transport_resend.
+func TestTransportResendIsRefused(t *testing.T) {
+	env := newHTTPEnv(t)
+	var effects atomic.Int32
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		io.Copy(io.Discard, r.Body)
+		if effects.Add(1) == 1 {
+			hijack(t, w, func(net.Conn) {}) // the effect happened; the answer is lost
+			return
+		}
+		writeJSON(w, 201, `{"id":"art_twice"}`)
+	}))
+	t.Cleanup(srv.Close)
+	tr := &http.Transport{}
+	t.Cleanup(tr.CloseIdleConnections)
+	retrying := roundTripperFunc(func(r *http.Request) (*http.Response, error) {
+		resp, err := tr.RoundTrip(r)
+		if err != nil {
+			resp, err = tr.RoundTrip(r)
+		}
+		return resp, err
+	})
+	in, req := articleCall(t, srv.URL+"/api/articles", "retrying-middleware")
+	caller := &ledger.Caller{Ledger: env.ledger, HTTP: &http.Client{Transport: retrying, Timeout: 10 * time.Second}}
+	res, err := caller.Do(context.Background(), in, req)
+	if n := effects.Load(); n != 1 {
+		t.Fatalf("the API saw the call %d times", n)
+	}
+	ce, extra := lastDetail(t, env, res.Receipt.ID)
+	if !errors.Is(err, ledger.ErrOutcomeUnknown) || ce.Code != ledger.CodeTransportResend || extra["transport_resend_refused"] != true {
+		t.Fatalf("Do: %v (error %+v, extra %v), want outcome_unknown, code %s", err, ce, extra, ledger.CodeTransportResend)
+	}
+	t.Logf("Do: %v", err)
 }

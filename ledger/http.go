@@ -63,6 +63,12 @@ const (
 	CodeMalformedBody    = "malformed_body"    // 2xx whose body is not the JSON it claims
 	CodeBodyTooLarge     = "body_too_large"    // 2xx whose body exceeds MaxResponseBytes
 	CodeInvalidVerdict   = "invalid_verdict"   // Classify returned an Outcome out of range
+	// Sent, then the send deadline passed before the request was written
+	// whole (HTTP/2): it was canceled, nothing more was written.
+	CodeSendDeadlineMidWrite = "send_deadline_mid_write"
+	// Sent, then the transport tried to send it again on another
+	// connection: refused, nothing was written there.
+	CodeTransportResend = "transport_resend"
 )
 
 // Outcome is how a call settles its receipt: one of the three states a
@@ -262,9 +268,12 @@ func (e *OutcomeError) Unwrap() []error {
 // reusable): no byte of the request is written after the deadline, and a
 // request cut short by it is outcome_unknown like any failure after the
 // connection was had. An HTTP/2 connection is shared by many requests, so
-// Do never touches it: there, the cancellation covers the wait for a
-// connection and for a stream slot until the request's headers start
-// being written; once they have, the request goes out at once. (Unencrypted
+// Do never touches it: there, the timer stays armed until the request is
+// written whole. Canceled before its headers were written, it is not_sent
+// as above; canceled after (a body still being written at the deadline),
+// it is outcome_unknown with code send_deadline_mid_write, and its body
+// yields nothing more from the deadline on. A request written whole before
+// the deadline is never canceled by it, however late its answer. (Unencrypted
 // HTTP/2 is recognized only when HTTP is an *http.Transport whose
 // Protocols enable it; a custom RoundTripper that speaks unencrypted HTTP/2
 // must not be used here.)
@@ -298,12 +307,21 @@ func (e *OutcomeError) Unwrap() []error {
 // sweep) moved the submitted receipt on to outcome_unknown, reconciling or
 // manual_review, Do cannot settle it, so it records what it observed with
 // Client.RecordLateOutcome: the reconciler settles the receipt from it (a
-// 2xx with its external id is kept), and the OutcomeError says so.
+// 2xx with its external id is kept), and the OutcomeError says so. When
+// the reconciler already settled it safe_to_retry, Do records the late
+// answer whatever it is: a success or an answer leaving the effect
+// unknown (a 5xx, a timeout) shows the original request outlived the
+// window, and the database then refuses every retry of the receipt; the
+// OutcomeError says so. A retry planned before that late answer was
+// recorded is refused at its submit (ErrRetryRefused): it stays planned
+// and nothing is sent.
 //
-// The request is sent with GetBody cleared, so the transport never
-// replays a body it has started to write (net/http retries a request on a
-// reused connection only when it wrote nothing, or when the request is
-// idempotent by method or Idempotency-Key header and has no body).
+// The transport never sends the request twice: Do sends it with GetBody
+// cleared and a body-less request with an empty body net/http does not
+// take for replayable (see noReplay for what that changes on the wire),
+// and should the transport still get a second connection for it after a
+// write began, Do refuses it (on HTTP/1 nothing is written on it) and the
+// receipt is outcome_unknown with code transport_resend.
 func (c *Caller) Do(ctx context.Context, in Intent, req *http.Request) (*Result, error) {
 	if err := c.check(&in, req); err != nil {
 		closeBody(req)
@@ -352,6 +370,13 @@ func (c *Caller) Do(ctx context.Context, in Intent, req *http.Request) (*Result,
 		closeBody(req)
 		return &Result{Receipt: r}, fmt.Errorf("ledger: receipt %d not submitted, nothing sent: %w", r.ID, err)
 	}
+	if errors.Is(err, ErrRetryRefused) {
+		// A late answer to the receipt this one retries was recorded
+		// since the retry was planned: its effect exists or may exist.
+		closeBody(req)
+		return &Result{Receipt: r}, fmt.Errorf("ledger: receipt %d (a retry of receipt %d) not submitted, nothing sent, and no retry will be sent: "+
+			"the receipt it retries received a late answer after it was settled: %w", r.ID, r.RetryOf, err)
+	}
 	if errors.Is(err, ErrStateConflict) {
 		// Another call with the same key submitted it first: it is in flight there.
 		closeBody(req)
@@ -383,13 +408,15 @@ func (c *Caller) Do(ctx context.Context, in Intent, req *http.Request) (*Result,
 		switch {
 		case ce != nil && movedOnBySweep(ce.Actual):
 			note = c.recordLate(ctx, sub, ce.Actual, ex, v, detail)
-		case ce != nil && ce.Actual == statemachine.SafeToRetry && v.Outcome == OutcomeSucceeded:
-			// The reconciler proved an absence that this response
-			// contradicts: a declared lifetime or window is too short.
-			// Recorded, the late success makes the database refuse any
-			// retry of the receipt (reconciler.retry_error).
-			note = c.recordLate(ctx, sub, ce.Actual, ex, v, detail) +
-				": the response contradicts the settled absence, so the dependency's declared send deadline, request lifetime or consistency window is too short"
+		case ce != nil && ce.Actual == statemachine.SafeToRetry:
+			// The reconciler proved an absence, yet the original
+			// request was still alive: any answer (a success, or a
+			// 502 or timeout that leaves the effect unknown) shows a
+			// declared lifetime or window is too short. Recorded, a
+			// late succeeded or outcome_unknown makes the database
+			// refuse any retry of the receipt (reconciler.retry_error);
+			// a late rejection proves no effect.
+			note = c.recordLate(ctx, sub, ce.Actual, ex, v, detail)
 		}
 		gctx, cancel := c.writeContext(ctx)
 		if cur, gerr := c.Ledger.Get(gctx, sub.ID); gerr == nil {
@@ -425,12 +452,22 @@ func (c *Caller) recordLate(ctx context.Context, sub *Receipt, now statemachine.
 		return fmt.Sprintf("the receipt was moved to %s before the response arrived, and recording the observed outcome (%s) as a late outcome failed: %v",
 			now, observed, err)
 	}
-	then := "the reconciler will settle the receipt from it"
 	if now == statemachine.SafeToRetry {
-		then = "the database refuses any retry of the receipt from now on"
+		what := "a success"
+		if v.Outcome == OutcomeUnknown {
+			what = "an answer that leaves its effect unknown"
+		}
+		if v.Outcome == OutcomeRejected {
+			return fmt.Sprintf("the reconciler had settled the receipt safe_to_retry when the original request's answer arrived: "+
+				"a rejection (%s), recorded as a late outcome; it proves no effect, so a retry stays allowed", observed)
+		}
+		return fmt.Sprintf("the reconciler had settled the receipt safe_to_retry (absence proven), yet the original request was still alive "+
+			"and received %s (%s): its effect exists or may exist. Recorded as a late outcome, it makes the database refuse "+
+			"every retry of the receipt: no retry will be sent, a human must look. The dependency's declared send deadline, "+
+			"request lifetime or consistency window is too short", what, observed)
 	}
-	return fmt.Sprintf("the receipt was moved to %s before the response arrived; the observed outcome (%s) is recorded as a late outcome and %s",
-		now, observed, then)
+	return fmt.Sprintf("the receipt was moved to %s before the response arrived; the observed outcome (%s) is recorded as a late outcome and the reconciler will settle the receipt from it",
+		now, observed)
 }
 
 func (c *Caller) check(in *Intent, req *http.Request) error {
@@ -504,22 +541,37 @@ func (c *Caller) lastError(ctx context.Context, id int64) (*CallError, error) {
 // The send guard of one request: who got there first, the send deadline's
 // timer or the request.
 const (
-	guardWaiting int32 = iota // no connection yet: the timer may cancel
-	guardHeld                 // an HTTP/1 connection bounded by a write deadline, or a write began
+	guardWaiting int32 = iota // no connection yet: the timer cancels, nothing was written
+	guardWriting              // a write began on a connection without a write deadline (HTTP/2): the timer cuts it
+	guardHeld                 // an HTTP/1 connection bounded by a write deadline, or the request fully written
 	guardExpired              // the timer fired first and canceled the request
+)
+
+var (
+	// errTransportResend is the cause of a request the transport tried to
+	// send again on another connection after a write had begun.
+	errTransportResend = errors.New("the transport tried to send the request again on a new connection after writing it on another; refused, nothing was written on the new one")
+	// errCutMidWrite is the cause of a request the send deadline cut
+	// after its writing began and before it was whole.
+	errCutMidWrite = errors.New("the send deadline passed while the request was being written (its headers were sent, the rest was not): canceled, nothing more was written")
 )
 
 // sendStats is what the trace saw, kept as evidence.
 type sendStats struct {
 	conns   atomic.Int32 // GotConn events: more than one means the transport retried
-	blocked atomic.Int32 // HTTP/1 connections whose write deadline had passed before the request reached them
+	blocked atomic.Int32 // HTTP/1 connections on which Do let nothing be written (write deadline in the past)
+	h1Given atomic.Bool  // the request was handed to an HTTP/1 connection Do did not block
 	reused  atomic.Bool
 	wrote   atomic.Bool // a write hook fired
 	http2   atomic.Bool // a connection was (or may be) HTTP/2
 	guard   atomic.Int32
 	// deadline is set when the send deadline canceled the request or
-	// blocked its writes.
+	// blocked its writes; midWrite when it cut a request being written.
 	deadline atomic.Bool
+	midWrite atomic.Bool
+	// resent is set when the transport tried to send the request again
+	// after a write had begun, and Do refused it.
+	resent atomic.Bool
 	// h1 is the HTTP/1 connection whose write deadline Do set, to clear.
 	h1 atomic.Pointer[net.Conn]
 }
@@ -536,6 +588,10 @@ func (s *sendStats) sent() bool {
 	return s.wrote.Load()
 }
 
+// pastDeadline is a write deadline that has passed: every write on a
+// connection carrying it fails before the system call.
+var pastDeadline = time.Unix(1, 0)
+
 // send writes req under ctx with a trace and reads the whole response body.
 //
 // "Sent" is decided conservatively: from GotConn on, the request may have
@@ -550,31 +606,58 @@ func (s *sendStats) sent() bool {
 //
 // The send deadline (see Do) is enforced here: a timer cancels the request
 // at deadline unless the transport got an HTTP/1 connection first (whose
-// write deadline then bounds every write) or, on HTTP/2, began writing.
+// write deadline then bounds every write) or the request was written
+// whole. On a connection without a write deadline (HTTP/2) a request
+// whose writing began but did not end by the deadline is canceled then
+// (outcome_unknown: its headers left), and its body reads fail from then
+// on, so nothing more of it is written.
+//
+// The transport never sends the request twice (see noReplay); should it
+// try, a second connection obtained after a write began is refused: on
+// HTTP/1 its write deadline is set in the past, so nothing is written on
+// it, and the request is canceled.
 func (c *Caller) send(ctx context.Context, req *http.Request, deadline time.Time, delay time.Duration) (Exchange, *sendStats) {
 	st := &sendStats{}
 	sctx, cancel := context.WithCancelCause(ctx)
 	defer cancel(nil)
-	began := func() { st.guard.CompareAndSwap(guardWaiting, guardHeld) }
-	wrote := func() { st.wrote.Store(true); began() }
+	wrote := func() {
+		st.wrote.Store(true)
+		st.guard.CompareAndSwap(guardWaiting, guardWriting)
+	}
 	trace := &httptrace.ClientTrace{
 		GotConn: func(info httptrace.GotConnInfo) {
-			st.conns.Add(1)
+			earlier := st.conns.Add(1) > 1
 			if info.Reused {
 				st.reused.Store(true)
 			}
-			if info.Conn == nil || c.mayBeHTTP2(info.Conn) {
-				// A shared connection: leave it alone; the timer stays
-				// armed until a write begins.
+			h2 := info.Conn == nil || c.mayBeHTTP2(info.Conn)
+			if h2 {
 				st.http2.Store(true)
+			}
+			if earlier && (st.wrote.Load() || st.h1Given.Load()) {
+				// The transport is retrying on another connection a
+				// request it may have written on the first: refuse.
+				st.resent.Store(true)
+				if !h2 && info.Conn.SetWriteDeadline(pastDeadline) == nil {
+					conn := info.Conn
+					st.h1.Store(&conn)
+					st.blocked.Add(1)
+				}
+				cancel(errTransportResend)
+				return
+			}
+			if h2 {
+				// A shared connection: leave it alone; the timer stays
+				// armed until the request is written whole.
 				return
 			}
 			// HTTP/1: the connection is this request's alone until it
 			// is written, and GotConn runs before the request is handed
 			// to the connection's writer.
-			began()
 			expired := !time.Now().Before(deadline)
 			if info.Conn.SetWriteDeadline(deadline) != nil {
+				// Unbounded writes: the timer stays armed as on HTTP/2.
+				st.h1Given.Store(true)
 				return
 			}
 			conn := info.Conn
@@ -585,44 +668,64 @@ func (c *Caller) send(ctx context.Context, req *http.Request, deadline time.Time
 				st.blocked.Add(1)
 				st.deadline.Store(true)
 				cancel(ErrSendDeadline)
+				return
 			}
+			st.h1Given.Store(true)
+			st.guard.CompareAndSwap(guardWaiting, guardHeld)
 		},
 		WroteHeaderField: func(string, []string) { wrote() },
 		WroteHeaders:     wrote,
 		Wait100Continue:  wrote,
 		WroteRequest: func(httptrace.WroteRequestInfo) {
 			wrote()
+			// Written whole (or failed): the timer must not cut it now.
+			st.guard.CompareAndSwap(guardWriting, guardHeld)
 			if conn := st.h1.Load(); conn != nil {
-				// Written (or failed): the pooled connection must not
-				// keep this request's deadline.
+				// The pooled connection must not keep this request's
+				// deadline.
 				_ = (*conn).SetWriteDeadline(time.Time{})
 			}
 		},
 	}
 	out := req.Clone(httptrace.WithClientTrace(sctx, trace))
-	// Without GetBody the transport cannot rewind a body it has started
-	// to send, so it cannot resend a non-idempotent request on its own,
-	// and a 307/308 redirect could not be replayed either (Do follows
-	// none: see below).
-	out.GetBody = nil
+	c.noReplay(out, st)
 	if !time.Now().Before(deadline) {
 		// The submit itself took the whole delay: send nothing.
 		st.deadline.Store(true)
+		closeBody(out)
 		return Exchange{Request: out, Err: fmt.Errorf("%w (%v after submit): the submit took it all", ErrSendDeadline, delay)}, st
 	}
 	timer := time.AfterFunc(time.Until(deadline), func() {
-		if st.guard.CompareAndSwap(guardWaiting, guardExpired) {
+		switch {
+		case st.guard.CompareAndSwap(guardWaiting, guardExpired):
 			st.deadline.Store(true)
 			cancel(ErrSendDeadline)
+		case st.guard.CompareAndSwap(guardWriting, guardExpired):
+			st.deadline.Store(true)
+			st.midWrite.Store(true)
+			cancel(errCutMidWrite)
 		}
 	})
+	// Answered or failed: from then on the deadline no longer concerns a
+	// request written whole (it must not cut short the reading of a
+	// response, whatever the transport reported). One still being
+	// written (an HTTP/2 server may answer before the body ends) stays
+	// under the timer until its body read is done.
+	disarm := func() {
+		timer.Stop()
+		st.guard.CompareAndSwap(guardWaiting, guardHeld)
+		st.guard.CompareAndSwap(guardWriting, guardHeld)
+	}
 	resp, err := c.client().Do(out)
-	// Answered or failed: the deadline no longer concerns this request
-	// (it must not cut short the reading of a body, whatever the
-	// transport reported).
-	timer.Stop()
-	st.guard.CompareAndSwap(guardWaiting, guardHeld)
-	if err != nil && st.deadline.Load() {
+	if err != nil || st.guard.Load() != guardWriting {
+		disarm()
+	}
+	switch {
+	case err != nil && st.resent.Load():
+		err = fmt.Errorf("%w: %w", errTransportResend, err)
+	case err != nil && st.midWrite.Load():
+		err = fmt.Errorf("%w (%v after submit): %w", errCutMidWrite, delay, err)
+	case err != nil && st.deadline.Load():
 		if st.sent() {
 			err = fmt.Errorf("canceled at the send deadline (%v after submit) after the transport had a connection: %w", delay, err)
 		} else {
@@ -634,9 +737,98 @@ func (c *Caller) send(ctx context.Context, req *http.Request, deadline time.Time
 		ex.Body, ex.Err = readBody(resp.Body, c.maxBody())
 		resp.Body.Close()
 		resp.Body = io.NopCloser(bytes.NewReader(ex.Body))
+		disarm()
+		if ex.Err != nil && st.midWrite.Load() {
+			ex.Err = fmt.Errorf("%w (%v after submit): %w", errCutMidWrite, delay, ex.Err)
+		}
 	}
 	ex.Sent = resp != nil || st.sent()
 	return ex, st
+}
+
+// noReplay makes out a request net/http never sends twice on its own.
+// net/http's Transport resends a request on a new connection, within one
+// RoundTrip, when a reused HTTP/1 connection fails after the request was
+// written and the request is "replayable" (its body is nil, NoBody or has
+// GetBody, and its method is GET, HEAD, OPTIONS or TRACE or it carries an
+// Idempotency-Key or X-Idempotency-Key header); its HTTP/2 transport
+// resends a request whose body is nil, NoBody or has GetBody after some
+// stream errors (a PROTOCOL_ERROR reset by the server among them, which
+// does not prove the server ignored the request). So:
+//
+//   - GetBody is cleared: a body cannot be rewound, so it is never sent
+//     again (and a 307/308 redirect could not be replayed: Do follows
+//     none);
+//   - a body-less request gets an empty, non-nil body without GetBody
+//     (neither transport resends it). On the wire: for GET, HEAD, DELETE,
+//     OPTIONS (methods net/http probes) nothing changes, no body and no
+//     Content-Length; over HTTP/2 the headers are followed by an empty
+//     DATA frame ending the stream; over HTTP/1 a POST, PUT, PATCH (or
+//     another method) is sent with "Transfer-Encoding: chunked" and an
+//     empty chunked body instead of "Content-Length: 0";
+//   - except that when the request can only go over HTTP/1 (an http URL,
+//     sent by net/http's own Transport without unencrypted HTTP/2) and its
+//     method is not one net/http replays by itself, the body stays nil so
+//     that "Content-Length: 0" is kept, and the Idempotency-Key and
+//     X-Idempotency-Key headers are stored under their lower-case names,
+//     which net/http does not look for (header names are case-insensitive
+//     on the wire, and HTTP/2 lower-cases them anyway).
+//
+// A body that may go over HTTP/2 is read through sendBody, which fails
+// once the send deadline cut the request.
+func (c *Caller) noReplay(out *http.Request, st *sendStats) {
+	out.GetBody = nil
+	h1 := c.onlyHTTP1(out.URL)
+	if out.Body != nil && out.Body != http.NoBody {
+		if !h1 {
+			out.Body = &sendBody{ReadCloser: out.Body, st: st}
+		}
+		return
+	}
+	if h1 && !replayableMethod(out.Method) {
+		out.Body, out.ContentLength = nil, 0
+		for _, k := range [...]string{"Idempotency-Key", "X-Idempotency-Key"} {
+			if v, ok := out.Header[k]; ok {
+				delete(out.Header, k)
+				lk := strings.ToLower(k)
+				out.Header[lk] = append(out.Header[lk], v...)
+			}
+		}
+		return
+	}
+	out.Body, out.ContentLength = emptyBody{}, 0
+}
+
+// replayableMethod reports whether net/http takes a body-less request of
+// method as idempotent whatever its headers.
+func replayableMethod(method string) bool {
+	switch method {
+	case "", http.MethodGet, http.MethodHead, http.MethodOptions, http.MethodTrace:
+		return true
+	}
+	return false
+}
+
+// emptyBody is the body of a body-less request: empty, but neither nil
+// nor http.NoBody, so net/http never takes the request for replayable.
+type emptyBody struct{}
+
+func (emptyBody) Read([]byte) (int, error) { return 0, io.EOF }
+func (emptyBody) Close() error             { return nil }
+
+// sendBody is a request body whose reads fail once the send deadline cut
+// the request being written (on HTTP/2; on HTTP/1 the connection's write
+// deadline does): no byte of it is produced after the deadline.
+type sendBody struct {
+	io.ReadCloser
+	st *sendStats
+}
+
+func (b *sendBody) Read(p []byte) (int, error) {
+	if b.st.guard.Load() == guardExpired {
+		return 0, errCutMidWrite
+	}
+	return b.ReadCloser.Read(p)
 }
 
 // client returns the HTTP client Do sends with: c.HTTP (or the default)
@@ -658,6 +850,22 @@ func (c *Caller) mayBeHTTP2(conn net.Conn) bool {
 	if tc, ok := conn.(*tls.Conn); ok {
 		return tc.ConnectionState().NegotiatedProtocol == "h2"
 	}
+	tr, ok := c.transport()
+	return ok && tr.Protocols != nil && tr.Protocols.UnencryptedHTTP2()
+}
+
+// onlyHTTP1 reports whether a request to u can only be sent over HTTP/1:
+// an http URL sent by net/http's own Transport without unencrypted HTTP/2.
+// Any other RoundTripper may speak HTTP/2.
+func (c *Caller) onlyHTTP1(u *url.URL) bool {
+	tr, ok := c.transport()
+	return ok && u != nil && strings.EqualFold(u.Scheme, "http") &&
+		(tr.Protocols == nil || !tr.Protocols.UnencryptedHTTP2())
+}
+
+// transport returns the RoundTripper Do sends with as an *http.Transport,
+// when it is one.
+func (c *Caller) transport() (*http.Transport, bool) {
 	var rt http.RoundTripper
 	if c.HTTP != nil {
 		rt = c.HTTP.Transport
@@ -666,7 +874,7 @@ func (c *Caller) mayBeHTTP2(conn net.Conn) bool {
 		rt = http.DefaultTransport
 	}
 	tr, ok := rt.(*http.Transport)
-	return ok && tr.Protocols != nil && tr.Protocols.UnencryptedHTTP2()
+	return tr, ok
 }
 
 func (c *Caller) maxBody() int64 {
@@ -851,6 +1059,10 @@ func statusMessage(ex Exchange) string {
 func transportCode(err error) string {
 	var ne net.Error
 	switch {
+	case errors.Is(err, errTransportResend):
+		return CodeTransportResend
+	case errors.Is(err, errCutMidWrite):
+		return CodeSendDeadlineMidWrite
 	case errors.Is(err, context.Canceled):
 		return CodeCanceled
 	case errors.Is(err, context.DeadlineExceeded), errors.As(err, &ne) && ne.Timeout():
@@ -927,10 +1139,16 @@ func (c *Caller) settle(ctx context.Context, r *Receipt, ex Exchange, v Verdict,
 	if st.deadline.Load() {
 		extra["send_deadline"] = true
 	}
+	if st.midWrite.Load() {
+		extra["send_deadline_mid_write"] = true
+	}
 	if n := st.conns.Load(); n > 1 {
-		// The transport retried on another connection (see Do): the
-		// reconciler should look for a duplicate.
+		// The transport got another connection for the request (a
+		// retry before any write, or a resend Do refused).
 		extra["transport_attempts"] = n
+	}
+	if st.resent.Load() {
+		extra["transport_resend_refused"] = true
 	}
 	if st.reused.Load() {
 		extra["connection_reused"] = true

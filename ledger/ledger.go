@@ -427,6 +427,12 @@ func (c *Client) Transition(ctx context.Context, m Move) (*Receipt, error) {
 		// planned -> submitted re-checks the duplicate guard: another
 		// receipt of the same intent went out since this one was planned.
 		return nil, fmt.Errorf("ledger: receipt %d: %s -> %s: %w", m.ID, m.From, m.To, c.duplicateError(ctx, pe))
+	case codeConflict:
+		if m.From == statemachine.Planned && m.To == statemachine.Submitted {
+			// planned -> submitted of a retry re-checks
+			// reconciler.retry_error on the receipt it retries.
+			return nil, fmt.Errorf("ledger: receipt %d: %s -> %s: %w: %s", m.ID, m.From, m.To, ErrRetryRefused, pe.Message)
+		}
 	}
 	return nil, fmt.Errorf("ledger: receipt %d: %s -> %s: %w", m.ID, m.From, m.To, err)
 }
@@ -438,7 +444,11 @@ func (c *Client) Transition(ctx context.Context, m Move) (*Receipt, error) {
 // of the same intent (same dependency and fingerprint, planned under
 // another key) was submitted since this one was planned and is unresolved,
 // Submit refuses with the *DuplicateError Plan would have returned: the
-// receipt stays planned, and nothing may be sent.
+// receipt stays planned, and nothing may be sent. Submitting a retry
+// re-checks that the receipt it retries may still be retried (its agent
+// may have recorded a late answer since the retry was planned); when not,
+// Submit refuses with ErrRetryRefused, the retry stays planned, and nothing
+// may be sent.
 func (c *Client) Submit(ctx context.Context, r *Receipt) (*Receipt, error) {
 	return c.Transition(ctx, Move{ID: r.ID, From: r.State, To: statemachine.Submitted})
 }
@@ -524,7 +534,12 @@ func (c *Client) Retry(ctx context.Context, prev *Receipt, in Intent) (*Receipt,
 		return nil, fmt.Errorf("ledger: retry receipt %d: %w: the payload's fingerprint %s differs from %s",
 			prev.ID, ErrInvalidIntent, fp.Fingerprint, prev.Fingerprint)
 	}
-	return c.plan(ctx, in, fp, prev.ID)
+	r, err := c.plan(ctx, in, fp, prev.ID)
+	if errors.Is(err, ErrStateConflict) {
+		// reconciler.retry_error refused it (RL002).
+		return nil, fmt.Errorf("ledger: retry receipt %d: %w, nothing sent: %w", prev.ID, ErrRetryRefused, err)
+	}
+	return r, err
 }
 
 // Get returns the receipt with id.

@@ -642,6 +642,10 @@ func TestImmutableColumns(t *testing.T) {
 		{"max_send_delay", `max_send_delay = '10 minutes'`},
 		{"guarded", `guarded = false`},
 		{"submitted_at", `submitted_at = clock_timestamp() + interval '1 hour'`},
+		// Issue 7, adversarial review: who submitted decides which agent
+		// login may settle; nobody rewrites it.
+		{"submitted_by", `submitted_by = 'mallory'`},
+		{"submitted_by set or cleared", `submitted_by = CASE WHEN submitted_by IS NULL THEN current_user END`},
 		{"unknown_since", `unknown_since = clock_timestamp()`},
 		{"updated_at", `updated_at = clock_timestamp()`},
 		{"version", `version = version + 1`},
@@ -867,7 +871,7 @@ func TestMigration00004Down(t *testing.T) {
 	var oldPlan bool
 	if err := pool.QueryRow(ctx, `SELECT
 		(SELECT count(*) FROM information_schema.columns WHERE table_schema = 'reconciler' AND table_name = 'receipts'
-		 AND column_name IN ('max_send_delay', 'guarded', 'unknown_since')),
+		 AND column_name IN ('max_send_delay', 'guarded', 'unknown_since', 'submitted_by')),
 		(SELECT count(*) FROM information_schema.tables WHERE table_schema = 'reconciler' AND table_name = 'late_outcomes'),
 		to_regprocedure('reconciler.plan(text, text, text, text, text, text, jsonb, text, boolean, bigint, jsonb)') IS NOT NULL`).
 		Scan(&cols, &tables, &oldPlan); err != nil {
@@ -885,4 +889,240 @@ func TestMigration00004Down(t *testing.T) {
 		t.Fatalf("up again: %v", err)
 	}
 	mustPlan(t, pool, planArgs{key: "after-up", fp: fpOf(3)})
+}
+
+// lateSettled plans and submits a receipt as agent:a, lets the orphan sweep
+// and the reconciler move it to reconciling, records a late outcome there
+// if atReconciling is set, and settles it safe_to_retry.
+func lateSettled(t *testing.T, pool *pgxpool.Pool, key string, n int, atReconciling string) int64 {
+	t.Helper()
+	id := mustPlan(t, pool, planArgs{key: key, fp: fpOf(n)})
+	mustMove(t, pool, id, "agent:a", "submitted")
+	mustMove(t, pool, id, "reconciler:r1", "outcome_unknown", "reconciling")
+	if atReconciling != "" {
+		recordLate(t, pool, id, atReconciling)
+	}
+	mustMove(t, pool, id, "reconciler:r1", "safe_to_retry")
+	return id
+}
+
+func recordLate(t *testing.T, q querier, id int64, outcome string) {
+	t.Helper()
+	if _, err := q.Exec(context.Background(), `SELECT reconciler.record_late_outcome(receipt_id => $1,
+		actor => 'agent:a', outcome => $2, http_status => 502)`, id, outcome); err != nil {
+		t.Fatalf("late %s of receipt %d: %v", outcome, id, err)
+	}
+}
+
+// Issue 7, adversarial review: a late outcome 'succeeded' (the effect
+// exists) or 'outcome_unknown' (a 502 or a timeout: the original outlived
+// the window the settlement assumed) refuses every retry of the receipt,
+// with RL002 saying what the agent saw and that a human must look; a late
+// 'rejected' proves no effect and refuses nothing. The rule holds whether
+// the late outcome came before the retry was planned (plan refuses) or
+// after it was planned and before it was submitted (the submission re-runs
+// reconciler.retry_error; the retry stays planned and nothing is recorded).
+func TestLateOutcomeRefusesRetry(t *testing.T) {
+	pool := pgtest.NewPool(t)
+	ctx := context.Background()
+	for i, c := range []struct {
+		late, when string
+		refused    bool
+		says       string // in the refusal
+	}{
+		{"succeeded", "before plan", true, "received a success"},
+		{"succeeded", "before submit", true, "received a success"},
+		{"outcome_unknown", "before plan", true, "still alive"},
+		{"outcome_unknown", "before submit", true, "still alive"},
+		{"outcome_unknown", "while reconciling", true, "still alive"},
+		{"rejected", "before plan", false, ""},
+		{"rejected", "before submit", false, ""},
+		{"rejected", "while reconciling", false, ""},
+		{"", "never", false, ""},
+	} {
+		name := fmt.Sprintf("late %q %s", c.late, c.when)
+		key := fmt.Sprintf("late-retry-%d", i)
+		var prev int64
+		if c.when == "while reconciling" {
+			prev = lateSettled(t, pool, key, 100+i, c.late)
+		} else {
+			prev = lateSettled(t, pool, key, 100+i, "")
+		}
+		if c.when == "before plan" {
+			recordLate(t, pool, prev, c.late)
+		}
+		retry, err := planSQL(ctx, pool, planArgs{key: key + "#2", fp: fpOf(100 + i), retryOf: prev})
+		if c.when != "before submit" {
+			checkRefusal(t, name+": plan", err, c.refused, c.says)
+			if err == nil {
+				mustMove(t, pool, retry, "agent:a", "submitted")
+			}
+			continue
+		}
+		if err != nil {
+			t.Fatalf("%s: plan: %v", name, err)
+		}
+		recordLate(t, pool, prev, c.late)
+		before := snap(t, pool, retry)
+		err = move(ctx, pool, retry, "submitted", "agent:a")
+		checkRefusal(t, name+": submit", err, c.refused, c.says)
+		if c.refused {
+			if pe := pgErr(err); pe == nil || pe.Detail != fmt.Sprint(prev) {
+				t.Errorf("%s: refusal's DETAIL is not the retried receipt %d: %v", name, prev, err)
+			}
+			if after := snap(t, pool, retry); after != before {
+				t.Errorf("%s: refused submission changed the retry: %+v -> %+v", name, before, after)
+			}
+			// The other outcome of a planned receipt stays open.
+			mustMove(t, pool, retry, "agent:a", "rejected")
+		}
+	}
+}
+
+func checkRefusal(t *testing.T, what string, err error, refused bool, says string) {
+	t.Helper()
+	if !refused {
+		if err != nil {
+			t.Errorf("%s: %v, want accepted", what, err)
+		}
+		return
+	}
+	if sqlState(err) != "RL002" || !strings.Contains(err.Error(), says) || !strings.Contains(err.Error(), "a human must look") {
+		t.Errorf("%s: got %v, want RL002 saying %q and that a human must look", what, err, says)
+	}
+}
+
+// Issue 7, adversarial review: reconciler.record_late_outcome keeps any
+// outcome an agent observed for its call once the orphan sweep moved it
+// (outcome_unknown, reconciling, manual_review, safe_to_retry), not only
+// successes; in the agent's own states (planned, submitted) and the other
+// settled ones it refuses with RL002.
+func TestLateOutcomeAnyOutcome(t *testing.T) {
+	pool := pgtest.NewPool(t)
+	ctx := context.Background()
+	at := map[string][]string{
+		"planned":         nil,
+		"submitted":       {"agent:a:submitted"},
+		"succeeded":       {"agent:a:submitted", "agent:a:succeeded"},
+		"rejected":        {"agent:a:rejected"},
+		"outcome_unknown": {"agent:a:submitted", "reconciler:r1:outcome_unknown"},
+		"reconciling":     {"agent:a:submitted", "reconciler:r1:outcome_unknown", "reconciler:r1:reconciling"},
+		"manual_review":   {"agent:a:submitted", "reconciler:r1:outcome_unknown", "reconciler:r1:manual_review"},
+		"safe_to_retry": {"agent:a:submitted", "reconciler:r1:outcome_unknown", "reconciler:r1:reconciling",
+			"reconciler:r1:safe_to_retry"},
+	}
+	n := 0
+	for state, moves := range at {
+		accepted := state == "outcome_unknown" || state == "reconciling" || state == "manual_review" || state == "safe_to_retry"
+		for _, outcome := range []string{"succeeded", "rejected", "outcome_unknown"} {
+			n++
+			id := mustPlan(t, pool, planArgs{key: fmt.Sprintf("late-any-%d", n), fp: fpOf(300 + n)})
+			for _, m := range moves {
+				i := strings.LastIndex(m, ":")
+				mustMove(t, pool, id, m[:i], m[i+1:])
+			}
+			_, err := pool.Exec(ctx, `SELECT reconciler.record_late_outcome($1, 'agent:a', $2)`, id, outcome)
+			if accepted && err != nil {
+				t.Errorf("late %s of a receipt in %s: %v, want recorded", outcome, state, err)
+			}
+			if !accepted && sqlState(err) != "RL002" {
+				t.Errorf("late %s of a receipt in %s: got %v, want RL002", outcome, state, err)
+			}
+		}
+	}
+}
+
+// Issue 7, adversarial review: record_late_outcome holds the receipt FOR
+// UPDATE and a retry's submission holds it FOR SHARE while it re-runs
+// retry_error, so the two serialize: a submission waiting on a late
+// success being recorded sees it once it commits and is refused; a late
+// outcome recorded while a retry's submission is open waits for it.
+func TestLateOutcomeSerializesWithRetrySubmission(t *testing.T) {
+	pool := pgtest.NewPool(t)
+	ctx := context.Background()
+	waitLocked := func(query string) {
+		t.Helper()
+		for range 200 {
+			var n int
+			if err := pool.QueryRow(ctx, `SELECT count(*) FROM pg_stat_activity
+				WHERE wait_event_type = 'Lock' AND query LIKE '%' || $1 || '%'`, query).Scan(&n); err != nil {
+				t.Fatal(err)
+			}
+			if n > 0 {
+				return
+			}
+			time.Sleep(10 * time.Millisecond)
+		}
+		t.Fatalf("no session waits on a lock in %q", query)
+	}
+
+	// 1. The late success first: the submission waits, then is refused.
+	prev := lateSettled(t, pool, "serial-1", 401, "")
+	retry := mustPlan(t, pool, planArgs{key: "serial-1#2", fp: fpOf(401), retryOf: prev})
+	tx, err := pool.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	recordLate(t, tx, prev, "succeeded")
+	done := make(chan error, 1)
+	go func() { done <- move(ctx, pool, retry, "submitted", "agent:a") }()
+	waitLocked("reconciler.transition")
+	if err := tx.Commit(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if err := <-done; sqlState(err) != "RL002" {
+		t.Errorf("submission that waited for a late success: got %v, want RL002", err)
+	}
+	if s := stateOf(t, pool, retry); s != "planned" {
+		t.Errorf("retry is %s, want planned", s)
+	}
+
+	// 2. The submission first: the late outcome waits for it.
+	prev = lateSettled(t, pool, "serial-2", 402, "")
+	retry = mustPlan(t, pool, planArgs{key: "serial-2#2", fp: fpOf(402), retryOf: prev})
+	tx, err = pool.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = tx.Rollback(ctx) }()
+	mustMove(t, tx, retry, "agent:a", "submitted")
+	go func() {
+		_, err := pool.Exec(ctx, `SELECT reconciler.record_late_outcome($1, 'agent:a', 'succeeded')`, prev)
+		done <- err
+	}()
+	waitLocked("record_late_outcome")
+	select {
+	case err := <-done:
+		t.Fatalf("late outcome recorded while the retry's submission held the receipt: %v", err)
+	default:
+	}
+	if err := tx.Commit(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if err := <-done; err != nil {
+		t.Errorf("late outcome after the submission committed: %v", err)
+	}
+}
+
+// Issue 7, adversarial review: submitted_by is the database login that
+// moved the receipt planned -> submitted, stamped by the trigger: NULL on
+// insert whatever the client sends, current_user on submission, and then
+// immutable (TestImmutableColumns).
+func TestSubmittedBy(t *testing.T) {
+	pool := pgtest.NewPool(t)
+	ctx := context.Background()
+	var id int64
+	var by *string
+	if err := pool.QueryRow(ctx, `INSERT INTO reconciler.receipts (idempotency_key, operation, dependency, method,
+		target, fingerprint, state_actor, submitted_by) VALUES ('by-forged', 'op', 'dep', 'POST', '/x', $1, 'agent:a', 'mallory')
+		RETURNING id, submitted_by`, fpOf(500)).Scan(&id, &by); err != nil || by != nil {
+		t.Fatalf("insert with submitted_by: %v, %v; want NULL", by, err)
+	}
+	mustMove(t, pool, id, "agent:a", "submitted")
+	var same bool
+	if err := pool.QueryRow(ctx, `SELECT submitted_by = current_user FROM reconciler.receipts WHERE id = $1`, id).Scan(&same); err != nil || !same {
+		t.Errorf("submitted_by after submission is not current_user (%v)", err)
+	}
+	// The move out of submitted by the same login: one name comparison.
+	mustMove(t, pool, id, "agent:a", "succeeded")
 }

@@ -13,10 +13,15 @@
 --     on planned -> submitted under plan's lock (path 1).
 --   * Idempotency keys whose logical key is unambiguous (path 7), retries
 --     that repeat their intent, and keys that always name the same retry.
---   * Who may move (path 8): an agent's login records its own calls only.
+--   * Who may move (path 8): an agent's login records its own calls only:
+--     it makes no reconciler move, and it moves a receipt out of submitted
+--     only if it is the login that submitted it (submitted_by).
 --   * Columns that describe the intent or a past move never change (path 9).
 --   * Late outcomes: what an agent learned after the orphan sweep moved its
---     receipt, kept as evidence for the reconciler (append-only).
+--     receipt, kept as evidence for the reconciler (append-only). A late
+--     success or a late answer it could not read refuses every retry of the
+--     receipt, also one planned before the late outcome arrived (re-checked
+--     on planned -> submitted).
 
 -- Set at plan, immutable: the request must be written within this long
 -- after submitted_at (SPEC §5a). Validated by the insert trigger, not a
@@ -28,6 +33,13 @@ ALTER TABLE reconciler.receipts ADD COLUMN guarded boolean NOT NULL DEFAULT true
 -- The latest move to outcome_unknown (orphan sweep, lost answer, requeue):
 -- the start of the current check budget, which that move resets.
 ALTER TABLE reconciler.receipts ADD COLUMN unknown_since timestamptz;
+-- The database login (current_user) that moved the receipt planned ->
+-- submitted: the one process that may send its request. Stamped by the
+-- update trigger, immutable, NULL until submitted (and for receipts
+-- submitted before this migration). Where the roles of docs/roles.sql are
+-- in use, a login only in reconciler_agent moves a receipt out of submitted
+-- only if it is this login (path 8).
+ALTER TABLE reconciler.receipts ADD COLUMN submitted_by name;
 
 -- What an agent observed about its own call after the orphan sweep had
 -- already moved the receipt out of submitted (its settle found the receipt
@@ -55,22 +67,46 @@ CREATE TRIGGER late_outcomes_no_truncate BEFORE TRUNCATE ON reconciler.late_outc
 -- linked to it), else why not: only what was proven absent, or refused
 -- before any effect could happen (nothing sent, or the API said come back
 -- later: the recorded error says which), and never a receipt whose agent
--- received a success after it was settled (a late outcome contradicting
--- the settlement: the effect exists). One rule for reconciler.plan and for
--- a plain INSERT of a retry.
+-- learned after the orphan sweep moved it that its call was still alive:
+-- a late outcome 'succeeded' (the effect exists) or 'outcome_unknown' (a
+-- 502, a timeout, an unreadable answer: the request outlived what the
+-- settlement assumed, so the effect may exist). A late 'rejected' proves
+-- no effect and refuses nothing. One rule for reconciler.plan, for a plain
+-- INSERT of a retry, and for the retry's planned -> submitted move (which
+-- re-runs it under a share lock of prev, so a late outcome recorded after
+-- the retry was planned still stops it being sent).
 -- +goose StatementBegin
 CREATE FUNCTION reconciler.retry_error(prev reconciler.receipts) RETURNS text
-LANGUAGE sql STABLE AS $$
-    SELECT CASE
-        WHEN NOT (prev.state = 'safe_to_retry'
-                  OR prev.state = 'rejected' AND (prev.state_detail #>> '{error,retryable}') = 'true')
-            THEN format('receipt %s is %s, neither safe_to_retry nor a retryable rejection: it cannot be retried',
-                        prev.id, prev.state)
-        WHEN EXISTS (SELECT FROM reconciler.late_outcomes l
-                     WHERE l.receipt_id = prev.id AND l.outcome = 'succeeded')
-            THEN format('receipt %s is %s, but its agent received a success after that (reconciler.late_outcomes): '
-                        'the effect exists and must not be sent again; a human must look', prev.id, prev.state)
-    END
+LANGUAGE plpgsql STABLE AS $$
+DECLARE
+    l reconciler.late_outcomes;
+BEGIN
+    IF NOT (prev.state = 'safe_to_retry'
+            OR prev.state = 'rejected' AND (prev.state_detail #>> '{error,retryable}') = 'true') THEN
+        RETURN format('receipt %s is %s, neither safe_to_retry nor a retryable rejection: it cannot be retried',
+                      prev.id, prev.state);
+    END IF;
+    -- The late outcome that refuses, a success first. (PL/pgSQL, not SQL:
+    -- the query's plan is kept for the session, which a retry's submission,
+    -- running this on every retry, would otherwise pay for each time.)
+    SELECT * INTO l FROM reconciler.late_outcomes x
+    WHERE x.receipt_id = prev.id AND x.outcome IN ('succeeded', 'outcome_unknown')
+    ORDER BY x.outcome = 'succeeded' DESC, x.id LIMIT 1;
+    IF NOT FOUND THEN
+        RETURN NULL;
+    END IF;
+    IF l.outcome = 'succeeded' THEN
+        RETURN format('receipt %s is %s, but its agent received a success after the orphan sweep moved it '
+                      '(late outcome %s at %s, HTTP %s, external id %s; reconciler.late_outcomes): the effect exists '
+                      'and must not be sent again; a human must look', prev.id, prev.state, l.id, l.at,
+                      coalesce(l.http_status::text, 'none'), coalesce(l.external_id, 'none'));
+    END IF;
+    RETURN format('receipt %s is %s, but its agent saw its call still alive after the orphan sweep moved it, '
+                  'with no answer it could read (late outcome_unknown %s at %s, HTTP %s; '
+                  'reconciler.late_outcomes): the request outlived the window the settlement assumed, so the '
+                  'effect may exist and must not be sent again; a human must look', prev.id, prev.state, l.id,
+                  l.at, coalesce(l.http_status::text, 'none'));
+END
 $$;
 -- +goose StatementEnd
 
@@ -154,6 +190,7 @@ BEGIN
     NEW.created_at := clock_timestamp();
     NEW.updated_at := NEW.created_at;
     NEW.submitted_at := NULL;
+    NEW.submitted_by := NULL;
     NEW.unknown_since := NULL;
     RETURN NEW;
 END
@@ -170,26 +207,27 @@ DECLARE
     other bigint;
     t timestamptz;
     cols text[];
+    prev reconciler.receipts;
 BEGIN
     -- Path 9: what describes the intent or a past move never changes. One
     -- row comparison (a single expression), so the cheap path stays cheap;
     -- the names of the offending columns are worked out only to refuse.
     IF (NEW.id, NEW.idempotency_key, NEW.operation, NEW.dependency, NEW.method, NEW.target,
         NEW.fingerprint, NEW.intent, NEW.pre_image, NEW.attempt, NEW.retry_of, NEW.created_at,
-        NEW.max_send_delay, NEW.guarded, NEW.submitted_at, NEW.unknown_since, NEW.updated_at,
-        NEW.version)
+        NEW.max_send_delay, NEW.guarded, NEW.submitted_at, NEW.submitted_by, NEW.unknown_since,
+        NEW.updated_at, NEW.version)
        IS DISTINCT FROM
        (OLD.id, OLD.idempotency_key, OLD.operation, OLD.dependency, OLD.method, OLD.target,
         OLD.fingerprint, OLD.intent, OLD.pre_image, OLD.attempt, OLD.retry_of, OLD.created_at,
-        OLD.max_send_delay, OLD.guarded, OLD.submitted_at, OLD.unknown_since, OLD.updated_at,
-        OLD.version) THEN
+        OLD.max_send_delay, OLD.guarded, OLD.submitted_at, OLD.submitted_by, OLD.unknown_since,
+        OLD.updated_at, OLD.version) THEN
         cols := ARRAY['id', 'idempotency_key', 'operation', 'dependency', 'method', 'target',
             'fingerprint', 'intent', 'pre_image', 'attempt', 'retry_of', 'created_at', 'max_send_delay',
-            'guarded', 'submitted_at', 'unknown_since', 'updated_at', 'version'];
+            'guarded', 'submitted_at', 'submitted_by', 'unknown_since', 'updated_at', 'version'];
         SELECT string_agg(c, ', ') INTO why FROM unnest(cols) AS c
         WHERE (to_jsonb(OLD) -> c) IS DISTINCT FROM (to_jsonb(NEW) -> c);
         RAISE EXCEPTION 'receipt %: % cannot be changed (the intent and the times of past moves are '
-            'immutable; the database stamps submitted_at, unknown_since, updated_at and version)',
+            'immutable; the database stamps submitted_at, submitted_by, unknown_since, updated_at and version)',
             OLD.id, why USING ERRCODE = 'RL006';
     END IF;
     -- An UPDATE that leaves the state as it is (leases, schedules) is not a
@@ -224,8 +262,29 @@ BEGIN
     END IF;
     -- Who may move (path 8), where the roles of docs/roles.sql are in use.
     -- The moves out of planned and submitted are the agent's (the orphan
-    -- sweep makes one too) and pay for no role lookup: the agent's hot path.
-    IF OLD.state = 'manual_review' THEN
+    -- sweep makes one too) and pay for no role lookup on the agent's hot
+    -- path: a move out of submitted compares the login with submitted_by
+    -- first, and looks roles up only when they differ.
+    IF OLD.state = 'submitted' THEN
+        -- Only the login that submitted a receipt sends its request, so only
+        -- it knows what became of it: another agent's login may not settle
+        -- it (say, as a retryable not_sent, then retry it: sent twice). The
+        -- reconciler's logins (the orphan sweep) and reviewers may; so may
+        -- the table's owner and any login in no role of docs/roles.sql. A
+        -- receipt submitted before migration 00004 has no submitted_by: the
+        -- orphan sweep settles it.
+        IF current_user IS DISTINCT FROM OLD.submitted_by THEN
+            IF coalesce(pg_has_role(current_user, to_regrole('reconciler_agent'), 'MEMBER'), false)
+               AND NOT coalesce(pg_has_role(current_user, to_regrole('reconciler_worker'), 'MEMBER'), false)
+               AND NOT coalesce(pg_has_role(current_user, to_regrole('reconciler_reviewer'), 'MEMBER'), false) THEN
+                RAISE EXCEPTION 'illegal transition % -> % by %: receipt % was submitted by login %, and only '
+                    'that login (or a member of reconciler_worker or reconciler_reviewer) may move it out of '
+                    'submitted, not login %', OLD.state, NEW.state, NEW.state_actor, OLD.id,
+                    coalesce(quote_ident(OLD.submitted_by), '(unknown: submitted before migration 00004)'),
+                    quote_ident(current_user) USING ERRCODE = 'RL001';
+            END IF;
+        END IF;
+    ELSIF OLD.state = 'manual_review' THEN
         -- "human" is a database role too: an agent's or the daemon's login
         -- cannot leave manual_review by writing a human actor.
         IF (coalesce(pg_has_role(current_user, to_regrole('reconciler_agent'), 'MEMBER'), false)
@@ -260,18 +319,38 @@ BEGIN
     -- held to commit, and the server's lock table holds about
     -- max_locks_per_transaction x max_connections: bulk loaders submit in
     -- chunks of a few thousand, or insert their receipts with guarded = false.
-    IF NEW.state = 'submitted' AND OLD.guarded THEN
-        -- (An assignment, not PERFORM: a plain expression is evaluated in
-        -- place, where PERFORM would run a query.)
-        why := pg_advisory_xact_lock(hashtextextended(OLD.dependency || ' ' || OLD.fingerprint, 0))::text;
-        SELECT x.id INTO other FROM reconciler.receipts x
-        WHERE x.dependency = OLD.dependency AND x.fingerprint = OLD.fingerprint
-          AND x.state IN ('submitted', 'outcome_unknown', 'reconciling', 'manual_review')
-          AND x.id <> OLD.id
-        ORDER BY x.id LIMIT 1;
-        IF FOUND THEN
-            RAISE EXCEPTION 'receipt %: intent % is unresolved in receipt %: a duplicate is not submitted',
-                OLD.id, OLD.fingerprint, other USING ERRCODE = 'RL005', DETAIL = other::text;
+    IF NEW.state = 'submitted' THEN
+        -- A retry is sent only while its previous attempt may still be
+        -- retried: a late outcome recorded since the retry was planned (a
+        -- success, or a call still alive: reconciler.retry_error) stops it.
+        -- The share lock serializes with record_late_outcome, which holds
+        -- the previous receipt FOR UPDATE while it writes: either the late
+        -- outcome commits first and is seen here, or it waits for this
+        -- submission and is recorded against a receipt whose retry is out
+        -- (the reconciler and a human then see both). Taken before the
+        -- guard's lock, in plan's order (previous receipt, then intent).
+        -- Only retries pay for it. RL002; the retry stays planned.
+        IF OLD.retry_of IS NOT NULL THEN
+            SELECT * INTO prev FROM reconciler.receipts x WHERE x.id = OLD.retry_of FOR SHARE;
+            why := reconciler.retry_error(prev);
+            IF why IS NOT NULL THEN
+                RAISE EXCEPTION 'receipt % (attempt %, the retry of receipt %) is not submitted: %',
+                    OLD.id, OLD.attempt, OLD.retry_of, why USING ERRCODE = 'RL002', DETAIL = OLD.retry_of::text;
+            END IF;
+        END IF;
+        IF OLD.guarded THEN
+            -- (An assignment, not PERFORM: a plain expression is evaluated in
+            -- place, where PERFORM would run a query.)
+            why := pg_advisory_xact_lock(hashtextextended(OLD.dependency || ' ' || OLD.fingerprint, 0))::text;
+            SELECT x.id INTO other FROM reconciler.receipts x
+            WHERE x.dependency = OLD.dependency AND x.fingerprint = OLD.fingerprint
+              AND x.state IN ('submitted', 'outcome_unknown', 'reconciling', 'manual_review')
+              AND x.id <> OLD.id
+            ORDER BY x.id LIMIT 1;
+            IF FOUND THEN
+                RAISE EXCEPTION 'receipt %: intent % is unresolved in receipt %: a duplicate is not submitted',
+                    OLD.id, OLD.fingerprint, other USING ERRCODE = 'RL005', DETAIL = other::text;
+            END IF;
         END IF;
     END IF;
     -- An agent that learned its call succeeded after the orphan sweep moved
@@ -296,6 +375,7 @@ BEGIN
     NEW.updated_at := t;
     IF NEW.state = 'submitted' THEN
         NEW.submitted_at := t;
+        NEW.submitted_by := current_user;
     END IF;
     IF NEW.state = 'outcome_unknown' THEN
         -- Every move here (lost answer, orphan, requeue) starts a fresh check
@@ -434,16 +514,22 @@ $$;
 -- +goose StatementEnd
 
 -- reconciler.record_late_outcome records what an agent learned about its
--- own call after the orphan sweep had moved the receipt out of submitted:
--- only for a receipt in outcome_unknown, reconciling, manual_review or
--- safe_to_retry (a success that arrives after an absence was settled means a
--- declared window was too short: recorded, it stops any retry of the
--- receipt, see retry_error) whose planned -> submitted move was made by
--- actor; RL002 otherwise. It holds
--- the receipt (FOR SHARE) while it writes, so a concurrent settlement
--- either commits first (and this call is refused) or sees the row (and a
--- late success keeps the receipt from safe_to_retry). SECURITY DEFINER, so
--- no role needs INSERT on late_outcomes; search_path pinned as in 00001.
+-- own call after the orphan sweep had moved the receipt out of submitted,
+-- whatever the outcome (succeeded, rejected or outcome_unknown): only for a
+-- receipt in outcome_unknown, reconciling, manual_review or safe_to_retry
+-- (an answer that arrives after an absence was settled means a declared
+-- window was too short: a late success or outcome_unknown stops any retry
+-- of the receipt, see retry_error) whose planned -> submitted move was made
+-- by actor, and, where the roles of docs/roles.sql are in use, by the
+-- calling login when it is only in reconciler_agent (session_user =
+-- submitted_by: another agent's login cannot put words in its mouth, e.g. a
+-- late success with a made-up external id); RL002 otherwise. It holds the
+-- receipt FOR UPDATE while it writes, so a concurrent settlement either
+-- commits first or sees the row (and a late success keeps the receipt from
+-- safe_to_retry), and so does the submission of a retry planned before
+-- (receipts_before_update re-runs retry_error under FOR SHARE of this
+-- receipt). SECURITY DEFINER, so no role needs INSERT on late_outcomes;
+-- search_path pinned as in 00001.
 -- +goose StatementBegin
 CREATE FUNCTION reconciler.record_late_outcome(
     receipt_id bigint,
@@ -457,12 +543,24 @@ SECURITY DEFINER SET search_path = pg_catalog, reconciler, pg_temp AS $$
 DECLARE
     st text;
     submitter text;
+    login name;
 BEGIN
-    SELECT x.state INTO st FROM reconciler.receipts x
-    WHERE x.id = record_late_outcome.receipt_id FOR SHARE;
+    SELECT x.state, x.submitted_by INTO st, login FROM reconciler.receipts x
+    WHERE x.id = record_late_outcome.receipt_id FOR UPDATE;
     IF NOT FOUND THEN
         RAISE EXCEPTION 'receipt % does not exist', record_late_outcome.receipt_id
             USING ERRCODE = 'RL002', DETAIL = 'missing';
+    END IF;
+    -- (SECURITY DEFINER: current_user is the owner here; session_user is
+    -- the caller's login.)
+    IF session_user IS DISTINCT FROM login THEN
+        IF coalesce(pg_has_role(session_user, to_regrole('reconciler_agent'), 'MEMBER'), false)
+           AND NOT coalesce(pg_has_role(session_user, to_regrole('reconciler_worker'), 'MEMBER'), false)
+           AND NOT coalesce(pg_has_role(session_user, to_regrole('reconciler_reviewer'), 'MEMBER'), false) THEN
+            RAISE EXCEPTION 'receipt % was submitted by login %: no late outcome by login % is recorded for it',
+                record_late_outcome.receipt_id, coalesce(quote_ident(login), '(unknown)'), quote_ident(session_user)
+                USING ERRCODE = 'RL002', DETAIL = st;
+        END IF;
     END IF;
     SELECT e.actor INTO submitter FROM reconciler.receipt_events e
     WHERE e.receipt_id = record_late_outcome.receipt_id
@@ -572,6 +670,7 @@ END
 $$;
 -- +goose StatementEnd
 
+ALTER TABLE reconciler.receipts DROP COLUMN submitted_by;
 ALTER TABLE reconciler.receipts DROP COLUMN unknown_since;
 ALTER TABLE reconciler.receipts DROP COLUMN guarded;
 ALTER TABLE reconciler.receipts DROP COLUMN max_send_delay;
