@@ -263,11 +263,16 @@ func TestLoadDependenciesErrors(t *testing.T) {
 	}
 }
 
-// controlFile is an adapters file with one static create adapter whose
-// control block is control (YAML indented under `control:`).
-func controlFile(control string) string {
+// controlFile is an adapters file with one static create adapter reading
+// the operations ops (a YAML list; "" for every operation of the
+// dependency) whose control block is control (YAML indented under
+// `control:`).
+func controlFile(ops, control string) string {
 	var b strings.Builder
-	b.WriteString("version: 1\nadapters:\n  - name: shop-items\n    type: static\n    kind: create\n    dependency: shop\n    operations: [items.create, items.import]\n    static: {verdict: present}\n    control:\n")
+	if ops == "" {
+		ops = "[]"
+	}
+	b.WriteString("version: 1\nadapters:\n  - name: shop-items\n    type: static\n    kind: create\n    dependency: shop\n    operations: " + ops + "\n    static: {verdict: present}\n    control:\n")
 	for _, line := range strings.Split(strings.Trim(control, "\n"), "\n") {
 		b.WriteString("      " + line + "\n")
 	}
@@ -279,11 +284,11 @@ func controlFile(control string) string {
 // the receipt of the call that made it; the loader puts it on the binding.
 func TestLoadControl(t *testing.T) {
 	tests := []struct {
-		name, control string
-		want          readback.Receipt
-		payload       string
+		name, ops, control string
+		want               readback.Receipt
+		payload            string
 	}{
-		{name: "YAML intent, defaults",
+		{name: "YAML intent, defaults", ops: "[items.create]",
 			control: `idempotency_key: "bootstrap:shop#1:items.create"
 target: /items
 intent: {title: control lamp, price: 12}
@@ -292,7 +297,7 @@ submitted_at: 2026-01-02T03:04:05Z`,
 			want: readback.Receipt{IdempotencyKey: "bootstrap:shop#1:items.create", Operation: "items.create",
 				Dependency: "shop", Method: "POST", Target: "/items", ExternalID: "item-1", Attempt: 1},
 			payload: `{"price":12,"title":"control lamp"}`},
-		{name: "JSON intent, operation and method",
+		{name: "JSON intent, operation and method", ops: "[items.create, items.import]",
 			control: `idempotency_key: k
 target: /imports
 intent: '{"title": "x"}'
@@ -302,7 +307,7 @@ method: PUT`,
 			want: readback.Receipt{IdempotencyKey: "k", Operation: "items.import", Dependency: "shop",
 				Method: "PUT", Target: "/imports", Attempt: 1},
 			payload: `{"title":"x"}`},
-		{name: "no intent",
+		{name: "no intent", ops: "[items.create]",
 			control: "idempotency_key: k\ntarget: /items\nsubmitted_at: 2026-01-02T03:04:05Z",
 			want: readback.Receipt{IdempotencyKey: "k", Operation: "items.create", Dependency: "shop",
 				Method: "POST", Target: "/items", Attempt: 1},
@@ -310,7 +315,7 @@ method: PUT`,
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
-			reg, err := readback.Load("adapters.yaml", strings.NewReader(controlFile(tt.control)), nil)
+			reg, err := readback.Load("adapters.yaml", strings.NewReader(controlFile(tt.ops, tt.control)), nil)
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -377,7 +382,7 @@ func TestLoadControlErrors(t *testing.T) {
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
-			_, err := readback.Load("adapters.yaml", strings.NewReader(controlFile(tt.control)), nil)
+			_, err := readback.Load("adapters.yaml", strings.NewReader(controlFile("[items.create]", tt.control)), nil)
 			var ce *readback.ConfigError
 			if !errors.As(err, &ce) {
 				t.Fatalf("got %v, want a *readback.ConfigError", err)
@@ -395,4 +400,48 @@ func TestLoadControlErrors(t *testing.T) {
 			t.Fatalf("got %v, want a control error for a blind adapter", err)
 		}
 	})
+}
+
+// Issue 7, adversarial review: a declared control vouches only for the
+// operation whose call made its resource, so after loading its
+// Receipt.Operation is never empty: the explicit operation, else the
+// adapter's only one. An adapter reading several operations, or every
+// operation of its dependency, must name it; otherwise loading fails naming
+// control.operation (a control of one operation must not vouch for
+// another, whose path, filter or marker may be wrong).
+func TestControlNamesItsOperation(t *testing.T) {
+	base := "idempotency_key: k\ntarget: /items\nsubmitted_at: 2026-01-02T03:04:05Z\n"
+	tests := []struct {
+		name, ops, control string
+		want               string // the control's operation; "" when loading must fail
+		why                string // in the error
+	}{
+		{"one operation, implicit", "[items.create]", base, "items.create", ""},
+		{"one operation, explicit", "[items.create]", base + "operation: items.create", "items.create", ""},
+		{"several operations, explicit", "[items.create, items.import]", base + "operation: items.import", "items.import", ""},
+		{"several operations, implicit", "[items.create, items.import]", base, "", "several operations (items.create, items.import)"},
+		{"dependency-wide, explicit", "", base + "operation: items.create", "items.create", ""},
+		{"dependency-wide, implicit", "", base, "", `every operation of dependency "shop"`},
+		{"explicit, not the adapter's", "[items.create]", base + "operation: items.import", "", "not one of the adapter's operations"},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			reg, err := readback.Load("adapters.yaml", strings.NewReader(controlFile(tt.ops, tt.control)), nil)
+			if tt.want == "" {
+				var ce *readback.ConfigError
+				if !errors.As(err, &ce) || ce.Field != "control.operation" || ce.Adapter != "shop-items" || ce.Line < 10 ||
+					!strings.Contains(err.Error(), tt.why) {
+					t.Fatalf("got %v, want a ConfigError naming control.operation, its line and %q", err, tt.why)
+				}
+				return
+			}
+			if err != nil {
+				t.Fatal(err)
+			}
+			b := reg.Bindings()[0]
+			if b.Control == nil || b.Control.Receipt.Operation != tt.want {
+				t.Fatalf("control %+v, want operation %q", b.Control, tt.want)
+			}
+		})
+	}
 }

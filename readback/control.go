@@ -22,10 +22,23 @@ import (
 // a new deployment that has no succeeded receipts yet) or drawn from the
 // ledger (a receipt of the same operation that settled succeeded from the
 // API's own 2xx response).
+//
+// A control vouches only for its operation (Receipt.Operation, never empty
+// for a control loaded from a file): the other operations of an adapter
+// that reads several, or a whole dependency, are vouched for by their own
+// receipts that settled succeeded from a 2xx response.
+//
+// A delete adapter needs two controls, because either misconfiguration
+// reads like an answer: "present" (a resource known to exist must read
+// present; the declared control is such a resource) gates settling an
+// absence as succeeded, and "gone" (the newest receipt of the same delete
+// operation that settled succeeded from a 2xx response must read absent,
+// authoritatively; drawn from the ledger by the reconciler) gates settling
+// a resource still present after the window as safe_to_retry.
 type Control struct {
 	// Receipt describes the known effect as the adapter sees a receipt:
 	// idempotency key (its logical key is the marker), target, intent,
-	// external id and the time it was made.
+	// external id, the operation it vouches for and the time it was made.
 	Receipt Receipt
 	// Source says where the control came from: "declared" or "receipt:<id>".
 	Source string
@@ -122,11 +135,28 @@ func decodeControl(n *yaml.Node, b Binding) (*Control, *keyError) {
 	if r.Operation, line, ke = scalar("operation", false); ke != nil {
 		return nil, ke
 	}
+	// A control vouches only for the operation whose call made its
+	// resource: a path, filter or marker right for one operation may be
+	// wrong for another. So the control names one operation, always: the
+	// binding's only one, else the file must say which (the reconciler
+	// keeps control state per adapter and operation).
 	switch {
-	case r.Operation == "" && len(b.Operations) > 0:
-		r.Operation = b.Operations[0]
 	case r.Operation != "" && len(b.Operations) > 0 && !slices.Contains(b.Operations, r.Operation):
 		return nil, fail("operation", line, fmt.Errorf("%q is not one of the adapter's operations (%s)", r.Operation, strings.Join(b.Operations, ", ")))
+	case r.Operation != "":
+		// Explicit: one of the binding's operations, or any operation of
+		// the dependency for a dependency-wide adapter.
+	case len(b.Operations) == 1:
+		r.Operation = b.Operations[0]
+	case len(b.Operations) == 0:
+		return nil, fail("operation", n.Line, fmt.Errorf("is required: the adapter reads every operation of dependency %q, "+
+			"and a control vouches only for the operation whose call made its resource; name it "+
+			"(the other operations are vouched for by their receipts that settled succeeded from a 2xx response)", b.Dependency))
+	default:
+		return nil, fail("operation", n.Line, fmt.Errorf("is required: the adapter reads several operations (%s), "+
+			"and a control vouches only for the operation whose call made its resource; name it "+
+			"(the other operations are vouched for by their receipts that settled succeeded from a 2xx response)",
+			strings.Join(b.Operations, ", ")))
 	}
 	if r.Method, line, ke = scalar("method", false); ke != nil {
 		return nil, ke

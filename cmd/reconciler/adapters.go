@@ -203,6 +203,14 @@ func printBindings(w io.Writer, bs []readback.Binding) {
 		control := "-"
 		switch {
 		case b.Kind == readback.Blind:
+		case b.Control != nil && (len(b.Operations) != 1 || b.Kind == readback.Delete):
+			// A declared control vouches only for its operation; the
+			// others are vouched for by their succeeded receipts. A
+			// delete's "gone" control always comes from the ledger.
+			control = "declared for " + b.Control.Receipt.Operation + ", others: succeeded receipts"
+			if b.Kind == readback.Delete {
+				control = "declared (present) for " + b.Control.Receipt.Operation + ", gone: succeeded receipts"
+			}
 		case b.Control != nil:
 			control = "declared"
 		default:
@@ -211,6 +219,13 @@ func printBindings(w io.Writer, bs []readback.Binding) {
 		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%s\t%s\n", b.Name, b.Type, b.Kind, b.Dependency, ops, after, control)
 	}
 	_ = tw.Flush()
+	for _, b := range bs {
+		if a, ok := b.Adapter.(*httpadapter.Adapter); ok {
+			if note := a.AbsenceNote(); note != "" {
+				fmt.Fprintf(w, "%s: %s\n", b.Name, note)
+			}
+		}
+	}
 }
 
 // loadReceipt reads one receipt in a read-only transaction: this command

@@ -95,6 +95,73 @@ adapters:
 	}
 }
 
+// Issue 7, adversarial review: `adapters check` says what an absence of an
+// unpaged list relies on (or that none is authoritative), and which
+// operation a declared control vouches for when the adapter reads more than
+// one; a cursor list without has_more is refused, naming the field.
+func TestAdaptersCheckPaginationAndControlNotes(t *testing.T) {
+	t.Setenv("SHOP_TOKEN", adaptersSecret)
+	t.Setenv("RECONCILER_DATABASE_URL", "")
+	adapter := func(name, pagination, query, control string) string {
+		return fmt.Sprintf(`  - name: %s
+    type: http
+    kind: create
+    dependency: %s-api
+    http:
+      preset: rest
+      base_url: https://shop.example.com
+      auth: {env: SHOP_TOKEN}
+      search: {pagination: %s, query: %s}
+%s`, name, name, pagination, query, control)
+	}
+	control := `    control: {idempotency_key: k, target: /items, submitted_at: 2026-01-02T03:04:05Z, operation: items.create}
+`
+	tests := []struct {
+		name     string
+		adapters []string
+		code     int
+		contains []string
+		lacks    []string
+	}{
+		{"unpaged lists", []string{
+			adapter("plain", "{style: none}", "{}", ""),
+			adapter("whole", "{style: none, whole_list: true}", "{}", ""),
+			adapter("keyed", "{style: none}", `{key: "{receipt.logical_key}"}`, ""),
+			adapter("paged", "{style: page}", "{}", control),
+		}, 0, []string{
+			"plain: unpaged list neither narrowed to the receipt's key nor declared whole: no absence",
+			"whole: unpaged list declared whole (search.pagination.whole_list)",
+			"keyed: unpaged list narrowed to the receipt's key",
+			"declared for items.create, others: succeeded receipts",
+		}, []string{"paged: "}},
+		{"cursor without has_more", []string{adapter("cursor", "{style: cursor, cursor: /next, param: cursor}", "{}", "")},
+			1, []string{`adapter "cursor"`, "http.search.pagination.has_more: is required with style cursor"}, nil},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			path := filepath.Join(t.TempDir(), "adapters.yaml")
+			if err := os.WriteFile(path, []byte("version: 1\nadapters:\n"+strings.Join(tt.adapters, "")), 0o600); err != nil {
+				t.Fatal(err)
+			}
+			code, out, errOut := runCLI(t, "", "adapters", "check", "--config", path)
+			all := out + errOut
+			if code != tt.code {
+				t.Fatalf("exit %d, want %d: %s", code, tt.code, all)
+			}
+			for _, c := range tt.contains {
+				if !strings.Contains(all, c) {
+					t.Errorf("output lacks %q: %s", c, all)
+				}
+			}
+			for _, c := range tt.lacks {
+				if strings.Contains(all, c) {
+					t.Errorf("output has %q: %s", c, all)
+				}
+			}
+		})
+	}
+}
+
 // snapshot is everything a readback could change: the receipt row, its
 // history and its check records.
 func snapshot(t *testing.T, db *pgxpool.Pool, id int64) string {

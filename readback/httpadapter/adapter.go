@@ -159,6 +159,29 @@ func (a *Adapter) shape() string {
 	return "fetch without compare"
 }
 
+// AbsenceNote says, for `reconciler adapters check`, what an absence read
+// by this adapter relies on when the file's choices decide it, or "" when
+// nothing needs saying. Today: an unpaged list (pagination style none),
+// whose absence is authoritative only when declared whole or narrowed to
+// the receipt's key.
+func (a *Adapter) AbsenceNote() string {
+	s := a.cfg.search
+	if s == nil || a.cfg.pagination.Style != "none" {
+		return ""
+	}
+	switch {
+	case a.cfg.pagination.WholeList:
+		return "unpaged list declared whole (search.pagination.whole_list): its absences rely on the endpoint " +
+			"answering the whole collection in one response, never a first page"
+	case s.narrowed:
+		return "unpaged list narrowed to the receipt's key: an absence is authoritative only when no item " +
+			"returned lacks the marker (the API honoured the filter)"
+	}
+	return "unpaged list neither narrowed to the receipt's key nor declared whole: no absence it reads is " +
+		"authoritative, so none settles safe_to_retry; declare the pagination, name the key in the query, " +
+		"or set search.pagination.whole_list if the endpoint answers the whole collection"
+}
+
 // Evidence is what a check records besides its query: enough for a human
 // to see why the adapter answered as it did.
 type Evidence struct {
@@ -171,16 +194,26 @@ type Evidence struct {
 	// numbers, offsets) is read twice unless one read suffices.
 	Passes    int   `json:"passes,omitempty"`
 	PassItems []int `json:"pass_items,omitempty"`
-	// Confirmation says why an absence read through such a list is
-	// authoritative: "single_response" (the first response was the whole
-	// list), "narrowed" (the query asks for the receipt's key and every
-	// item returned carries the marker) or "two_passes" (two full reads
-	// saw the same items in the same order).
+	// Confirmation says why an absence read through such a list, or
+	// through an unpaged list (pagination style none), is authoritative:
+	// "single_response" (the first response was the whole list),
+	// "narrowed" (the query asks for the receipt's key and every item
+	// returned carries the marker), "two_passes" (two full reads saw the
+	// same items in the same order) or, for an unpaged list, "whole_list"
+	// (the adapters file declares that the endpoint answers the whole
+	// collection in one response).
 	Confirmation string `json:"confirmation,omitempty"`
 	// Items is the number of items seen, OutsideWindow how many of them were
 	// ignored because they were created outside the receipt's window.
 	Items         int `json:"items,omitempty"`
 	OutsideWindow int `json:"outside_window,omitempty"`
+	// MarkedOutsideWindow lists the ids of items that carry the receipt's
+	// marker but whose creation time lies outside the window: they match
+	// all the same (the window filters only fingerprint matches), since
+	// the marker names the receipt's step whatever the API's clock says.
+	// An entry here usually means the API's clock is off by more than
+	// window_skew, or an earlier attempt of the same step took effect.
+	MarkedOutsideWindow []string `json:"marked_outside_window,omitempty"`
 	// MatchedBy is "marker" or "fingerprint".
 	MatchedBy string `json:"matched_by,omitempty"`
 	// WindowStart and WindowEnd bound the creation times considered.
@@ -418,7 +451,11 @@ func firstNonEmpty(s ...string) string {
 // An absence is authoritative only if the read covered every candidate
 // (SPEC §5a): not truncated by max_pages, read to the list's declared end
 // (a cursor list whose has_more is missing, or a page-number list whose
-// server ignores the page parameter, is not), and, for a list whose pages
+// server ignores the page parameter, is not); for an unpaged list (style
+// none), known to be the whole list: declared so (whole_list), or narrowed
+// to the receipt's key with every item returned carrying the marker, since
+// one response of a paginated API is its first page and looks the same;
+// and, for a list whose pages
 // concurrent writes can shift (page numbers, offsets, Link headers carrying
 // them), confirmed: the whole list came in one response, or the query is
 // narrowed to the receipt's key and every item returned carries the marker,
@@ -465,8 +502,10 @@ func (a *Adapter) search(ctx context.Context, sc *scope) (readback.Result, error
 		return present(p1)
 	case p1.incomplete != "":
 		return incomplete(p1)
+	case pg.Style == "none":
+		return a.unpagedAbsence(res, ev, p1)
 	case !a.cfg.shiftable():
-		// Cursors and a single unpaged response cannot skip an item.
+		// Cursors (read until has_more is false) cannot skip an item.
 		res.Verdict, res.Authoritative = readback.VerdictAbsent, true
 		return res, nil
 	case p1.requests == 1:
@@ -504,6 +543,36 @@ func (a *Adapter) search(ctx context.Context, sc *scope) (readback.Result, error
 	}
 	ev.Confirmation = "two_passes"
 	res.Verdict, res.Authoritative = readback.VerdictAbsent, true
+	return res, nil
+}
+
+// unpagedAbsence decides whether nothing found in the one response of an
+// unpaged list (style none) is proof. The response says nothing about
+// whether it is the whole list or the first page of a paginated one (a
+// misconfiguration: the API pages, the file says none), and a positive
+// control does not tell them apart when the control's item is on that
+// first page. So the absence is authoritative only when the file vouches
+// that the endpoint answers the whole collection (whole_list), or when the
+// query names the receipt's key and the API honoured it (every item
+// returned carries the marker; since a marked item matches, that means
+// none came back): a first page of the key's own items holds ours if any.
+func (a *Adapter) unpagedAbsence(res readback.Result, ev *Evidence, p *pass) (readback.Result, error) {
+	res.Verdict = readback.VerdictAbsent
+	switch {
+	case a.cfg.pagination.WholeList:
+		ev.Confirmation, res.Authoritative = "whole_list", true
+	case a.cfg.search.narrowed && p.foreign == 0:
+		ev.Confirmation, res.Authoritative = "narrowed", true
+	case a.cfg.search.narrowed:
+		ev.Reason = fmt.Sprintf("unpaged list (pagination style none): the query names the receipt's key but %d item(s) "+
+			"returned do not carry its marker, so the API ignored the filter and the response may be the first page "+
+			"of a longer list; declare the pagination, or search.pagination.whole_list if the endpoint always "+
+			"answers the whole collection", p.foreign)
+	default:
+		ev.Reason = "unpaged list (pagination style none) not narrowed to the receipt's key: one response may be " +
+			"the first page of a paginated list, so it does not prove an absence; declare the pagination, name " +
+			"the key in the query, or set search.pagination.whole_list if the endpoint always answers the whole collection"
+	}
 	return res, nil
 }
 
@@ -568,12 +637,18 @@ func (a *Adapter) readPass(ctx context.Context, sc *scope, first *url.URL, m *it
 			if err != nil {
 				return nil, readback.PermanentError(fmt.Errorf("%s: item %d: %w", u.Redacted(), i, err))
 			}
-			if created.Before(sc.start) || created.After(sc.end) {
+			outside := created.Before(sc.start) || created.After(sc.end)
+			// A marked item is the receipt's step's whatever its creation
+			// time: the window (an API clock off by more than window_skew
+			// would put ours outside it) filters only fingerprint matches,
+			// which cannot tell two identical calls apart.
+			by := ""
+			if m.marker(item) {
+				by = "marker"
+			} else if outside {
 				ev.OutsideWindow++
 				continue
-			}
-			by, err := m.match(item)
-			if err != nil {
+			} else if by, err = m.fingerprint(item); err != nil {
 				return nil, readback.PermanentError(fmt.Errorf("%s: item %d: %w", u.Redacted(), i, err))
 			}
 			if by == "" {
@@ -587,6 +662,9 @@ func (a *Adapter) readPass(ctx context.Context, sc *scope, first *url.URL, m *it
 				seen[id] = true
 				p.matches = append(p.matches, id)
 				p.matchedBy = by
+				if outside && !slices.Contains(ev.MarkedOutsideWindow, id) {
+					ev.MarkedOutsideWindow = append(ev.MarkedOutsideWindow, id)
+				}
 			}
 		}
 		p.ids = append(p.ids, pageIDs...)
@@ -639,28 +717,26 @@ func (a *Adapter) nextPage(first, cur *url.URL, doc any, h http.Header, n int, p
 	pg := a.cfg.pagination
 	switch pg.Style {
 	case "cursor":
-		if pg.HasMore != "" {
-			v, ok := lookup(doc, pg.HasMore)
-			more, isBool := v.(bool)
-			if !ok || !isBool {
-				// A missing indicator is not "no more": a proxy, an API
-				// version or an error shape may have dropped it.
-				return nil, fmt.Sprintf("no boolean at has_more %q, so the list may go on", pg.HasMore), nil
-			}
-			if !more {
-				return nil, "", nil
-			}
+		// has_more is required with style cursor (compilePagination): the
+		// end of the list is where the API says so, never where a cursor
+		// pointer happens to name nothing.
+		v, ok := lookup(doc, pg.HasMore)
+		more, isBool := v.(bool)
+		if !ok || !isBool {
+			// A missing indicator is not "no more": a proxy, an API
+			// version or an error shape may have dropped it.
+			return nil, fmt.Sprintf("no boolean at has_more %q, so the list may go on", pg.HasMore), nil
 		}
-		v, ok := lookup(doc, pg.Cursor)
+		if !more {
+			return nil, "", nil
+		}
+		v, ok = lookup(doc, pg.Cursor)
 		cursor := ""
 		if ok && v != nil {
 			cursor, _ = scalarString(v)
 		}
 		if cursor == "" {
-			if pg.HasMore != "" {
-				return nil, fmt.Sprintf("has_more is true but there is no cursor at %q", pg.Cursor), nil
-			}
-			return nil, "", nil
+			return nil, fmt.Sprintf("has_more is true but there is no cursor at %q", pg.Cursor), nil
 		}
 		u := *first
 		q := u.Query()
@@ -810,13 +886,10 @@ func (m *itemMatcher) marker(item any) bool {
 	return (m.equals != "" && s == m.equals) || (m.contains != "" && strings.Contains(s, m.contains))
 }
 
-// match says how an item matches the receipt ("marker", "fingerprint") or
-// "" when it does not. The marker is tried first: it is the stronger
-// evidence.
-func (m *itemMatcher) match(item any) (string, error) {
-	if m.marker(item) {
-		return "marker", nil
-	}
+// fingerprint says "fingerprint" when item matches the receipt's intent
+// fingerprint, "" when it does not (or no fingerprint is configured). The
+// marker is tried before it (readPass): it is the stronger evidence.
+func (m *itemMatcher) fingerprint(item any) (string, error) {
 	if m.a.cfg.fp != nil {
 		ok, err := m.a.fingerprintMatches(m.sc, item)
 		if err != nil || !ok {

@@ -62,6 +62,15 @@ type paginationYAML struct {
 	// server cursors, which concurrent writes cannot shift; by default a
 	// Link list is taken to carry page numbers (GitHub's do).
 	Stable bool `yaml:"stable"`
+	// WholeList (style none only) declares that the endpoint answers the
+	// whole collection in one response, never a first page. Nothing in a
+	// response says so: a paginated API read without pagination answers
+	// its first page, which looks exactly like a short whole list, and a
+	// positive control on that first page (the newest item of a list
+	// sorted newest first) passes. Only the operator can vouch for it;
+	// without it an unpaged absence is authoritative only when the query
+	// is narrowed to the receipt's key.
+	WholeList bool `yaml:"whole_list"`
 }
 
 type fetchYAML struct {
@@ -597,6 +606,9 @@ func (c *config) compilePagination(p *paginationYAML) error {
 	if pg.Stable && pg.Style != "link" {
 		return fieldErr("search.pagination.stable", "applies to style link only (cursor lists are stable, page and offset lists never are)")
 	}
+	if pg.WholeList && pg.Style != "none" {
+		return fieldErr("search.pagination.whole_list", "applies to style none only (a paginated list is read to its end instead)")
+	}
 	switch pg.Style {
 	case "none", "link":
 	case "cursor":
@@ -605,6 +617,14 @@ func (c *config) compilePagination(p *paginationYAML) error {
 		}
 		if _, err := c.ptr("search.pagination.cursor", pg.Cursor); err != nil {
 			return err
+		}
+		// Without a "more pages" flag, a cursor pointer that names nothing
+		// (a typo, another API version) reads as "no next page": the first
+		// page would pass for the whole list, and a control served on it
+		// (the newest item of a list sorted newest first) would pass too.
+		if pg.HasMore == "" {
+			return fieldErr("search.pagination.has_more", "is required with style cursor (a JSON pointer to the boolean "+
+				"saying more pages follow): without it a wrong cursor pointer reads as the end of the list")
 		}
 		if _, err := c.ptr("search.pagination.has_more", pg.HasMore); err != nil {
 			return err

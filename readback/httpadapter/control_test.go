@@ -39,7 +39,7 @@ func TestDeclaredControlCatchesMisconfiguration(t *testing.T) {
 	f := newFakeAPI(t, "rest", token)
 	f.add(append(others(3), fakeItem{ID: "control-item", Created: made, Marker: controlKey})...)
 	empty := newFakeAPI(t, "rest", token) // the wrong server: an empty collection
-	control := fmt.Sprintf("control: {idempotency_key: %q, target: /items, submitted_at: %s, intent: {title: lamp}}",
+	control := fmt.Sprintf("control: {idempotency_key: %q, target: /items, submitted_at: %s, intent: {title: lamp}, operation: items.create}",
 		controlKey+"#2", made.Format(time.RFC3339))
 	tests := []struct {
 		name, base, extra string

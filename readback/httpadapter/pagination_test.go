@@ -138,14 +138,22 @@ func TestPageNumberAbsenceIsConfirmed(t *testing.T) {
 			verdict: readback.VerdictInconclusive, passes: 2, reason: "changed between two passes"},
 		{name: "empty list: one response is the whole list",
 			verdict: readback.VerdictAbsent, authoritative: true, passes: 1, pages: 1, confirmation: "single_response"},
-		{name: "narrowed to the key: one page of the key's own items is enough",
+		{name: "narrowed to the key: the key's own item is found whatever its creation time",
 			// The server keeps only items marked with the key; the one it
-			// has was made long before this receipt's window.
+			// has was made long before this receipt's window. Issue 7,
+			// adversarial review: a marked item matches whatever its
+			// creation time (an API clock off by more than window_skew
+			// must not turn it into an absence).
 			items: append(others(6), fakeItem{ID: "earlier", Created: testNow.Add(-48 * time.Hour), Marker: testKey}),
 			extra: "search:\n  query: {created_after: \"\", key: \"{receipt.logical_key}\"}",
 			// Deletions elsewhere cannot move anything in the narrowed list.
 			after:   deleteAfter(1),
-			verdict: readback.VerdictAbsent, authoritative: true, passes: 1, pages: 2, confirmation: "narrowed"},
+			verdict: readback.VerdictPresent, authoritative: true, passes: 1, pages: 2},
+		{name: "narrowed to the key, none of the key's items: one empty response",
+			items:   others(6),
+			extra:   "search:\n  query: {created_after: \"\", key: \"{receipt.logical_key}\"}",
+			after:   deleteAfter(1),
+			verdict: readback.VerdictAbsent, authoritative: true, passes: 1, pages: 1, confirmation: "single_response"},
 		{name: "narrowed by a parameter the server ignores: two passes after all",
 			items:   others(3),
 			extra:   "search:\n  query: {ref: \"{receipt.logical_key}\"}",

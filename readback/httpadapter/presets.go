@@ -15,6 +15,10 @@ func presets() map[string]string {
 		// request before the receipt exists, and knows only the key. Search is
 		// GET /v1/<objects>/search?query=... answering a search_result with
 		// has_more/next_page, the next page asked for with page=<next_page>.
+		// The query names the key and nothing else: no created>= clause,
+		// since a marked charge is the step's whatever its creation time,
+		// and a server-side time filter would drop it if Stripe's clock and
+		// the database's differed by more than window_skew.
 		// Search results may lag writes (about a minute in Stripe's
 		// documentation): set consistency_window accordingly.
 		"stripe": `
@@ -24,7 +28,7 @@ search:
   method: GET
   path: /v1/charges/search
   query:
-    query: "metadata['idempotency_key']:'{receipt.logical_key|squote}' AND created>={window.start_unix}"
+    query: "metadata['idempotency_key']:'{receipt.logical_key|squote}'"
     limit: "100"
   items: /data
   id: /id
