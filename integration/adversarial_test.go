@@ -266,34 +266,34 @@ func (a *pagedAPI) create(key, id string, at time.Time) {
 		"metadata": map[string]any{"idempotency_key": key}})
 }
 
-// BREAK (the control does not exercise what the absence relies on):
-// the control drawn from the ledger is the NEWEST receipt that succeeded,
-// and a list sorted newest first serves it on page 1. A pagination
-// misconfiguration that reads only page 1 (style none on a paginated API;
-// a cursor pointer that names nothing, without has_more) passes that
-// control, and every receipt whose item is past page 1 reads as an
-// authoritative absence. Sequence:
+// Issue 7, adversarial review: "the control does not exercise what the
+// absence relies on": the control drawn from the ledger was the NEWEST
+// receipt that succeeded, which a list sorted newest first serves on page
+// 1, so a pagination misconfiguration that reads only page 1 passed it and
+// every receipt whose item is past page 1 read as an authoritative
+// absence. Sequence attempted:
 //
 //  1. receipt U (things.create) times out; its thing was created;
 //  2. three more things.create calls succeed from their 2xx afterwards;
 //  3. the list (newest first, 2 per page) serves them on page 1, U's on
-//     page 2; the adapter reads page 1 and stops (no cursor found /
-//     no pagination declared): absent, authoritative (a cursor list
-//     "cannot skip items");
-//  4. the control (the newest success) is on page 1: passes; U settles
-//     safe_to_retry while its thing exists.
+//     page 2; the adapter reads page 1 and stops (no pagination declared,
+//     or declared whole when it is not; a cursor pointer naming nothing).
 //
-// Fix: an absence through a list whose last page was full is not
-// authoritative unless the end of the list was seen (has_more false, or a
-// short page): require has_more for cursor lists and treat a full page as
-// "may go on" for style none; and run the control under the checked
-// receipt's window, with a control at least as old as the receipt
-// (readback/httpadapter/adapter.go; reconcile/sql.go sqlControlReceipt
-// picking a receipt submitted before the one being settled).
-func TestAdversarialPaginationMisconfigPassesTheControl(t *testing.T) {
-	for _, tc := range []struct{ name, pagination string }{
-		{"style none on a paginated list", "{style: none}"},
-		{"cursor pointer that names nothing", "{style: cursor, cursor: /next, param: cursor}"},
+// Guaranteed, in two layers: an unpaged list's absence is authoritative
+// only when declared whole (or narrowed to the key), and a cursor list
+// needs has_more, whose "true" without a cursor is not the end
+// (readback/httpadapter); and the ledger control is the receipt of the
+// operation submitted closest to the one being settled (the newest
+// submitted no later, else the oldest after: here thing-0, on page 2), so
+// a list declared whole that is cut short misses the control too and fails
+// it. U never settles safe_to_retry; a correct cursor configuration finds
+// its thing.
+func TestPaginationMisconfigProvesNoAbsence(t *testing.T) {
+	for _, tc := range []struct{ name, pagination, want string }{
+		{"style none on a paginated list", "{style: none}", "reconciling"},
+		{"style none declared whole on a paginated list", "{style: none, whole_list: true}", "reconciling"},
+		{"cursor pointer that names nothing", "{style: cursor, cursor: /next, param: cursor, has_more: /has_more}", "reconciling"},
+		{"correct cursor", "{style: cursor, cursor: /next_cursor, param: cursor, has_more: /has_more}", "succeeded"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			db := pgtest.NewPool(t)
@@ -337,10 +337,22 @@ adapters:
 			}
 			pool := newPool(t, db, reconcile.Config{Registry: reg, Now: clk.Now, OrphanTimeout: -1})
 			drainPastWindow(t, pool, clk)
-			if st := stateOf(t, db, u); st == "safe_to_retry" {
+			st := stateOf(t, db, u)
+			if st == "safe_to_retry" {
 				ev := settlements(t, db, u)
 				t.Fatalf("receipt %d's thing exists (page 2 of the list) but it was settled safe_to_retry; control: %v",
 					u, ev[len(ev)-1]["evidence"].(map[string]any)["positive_control"])
+			}
+			if st != tc.want {
+				t.Fatalf("receipt %d: %s, want %s", u, st, tc.want)
+			}
+			if strings.Contains(tc.pagination, "whole_list") {
+				// Only the control stands between this misconfiguration
+				// and a false absence: it must have failed.
+				h := pool.AdapterHealth()
+				if len(h) != 1 || h[0].OK || h[0].Operation != "things.create" {
+					t.Fatalf("health %+v, want the present control of things.create failing", h)
+				}
 			}
 		})
 	}
