@@ -41,12 +41,14 @@ import (
 //     settle safe_to_retry (they wait, then go to manual review).
 //
 // Control state is kept per (adapter, operation, control). A pass of a
-// ledger present-control drawn for a receipt submitted at T vouches for
-// receipts submitted at or after min(T, the control's submission): any of
-// them would draw that control or a newer one, which a read that found
-// the older one finds too (what is cached, and what is not). An older
-// receipt runs the control again, drawn for it, at most once per
-// Config.ControlRetry, and waits meanwhile. Declared and gone controls do
+// ledger present-control submitted at Tc, drawn for a receipt submitted at
+// T >= Tc, vouches for receipts submitted at or after Tc: each of them
+// would draw that control or a newer one, which a read that found the
+// older one finds too (a list read newest first and cut short misses the
+// oldest first). Drawn as the fallback (no control submitted by T: Tc >
+// T), it vouches for every receipt: an older one would draw the same. A
+// receipt submitted before Tc runs the control again, drawn for it, at
+// most once per Config.ControlRetry, and waits meanwhile. Declared and gone controls do
 // not depend on the receipt and vouch for all receipts of their operation.
 //
 // Controls run lazily: only when an answer would otherwise settle a receipt
@@ -374,12 +376,13 @@ func findControl(ctx context.Context, db *pgxpool.Pool, b *readback.Binding, op 
 		return readback.Receipt{}, "", time.Time{}, &noControlError{msg: fmt.Sprintf("no present control: none declared for %s, "+
 			"and none of the %d newest receipts of %s on %s settled succeeded from the API's response", op, scan, op, b.Dependency)}
 	}
+	// A control submitted no later than before vouches for receipts
+	// submitted since itself (they draw it or a newer one); one submitted
+	// after before (none is as old: the fallback) vouches for all (an older
+	// receipt draws the same one, a newer one it or a newer one).
 	covers := time.Time{}
-	if !before.IsZero() {
-		covers = before
-		if r.SubmittedAt.Before(covers) {
-			covers = r.SubmittedAt
-		}
+	if !before.IsZero() && !r.SubmittedAt.After(before) {
+		covers = r.SubmittedAt
 	}
 	return r, fmt.Sprintf("receipt:%d", r.ID), covers, nil
 }
