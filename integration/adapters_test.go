@@ -457,7 +457,10 @@ adapters:
 	// Positive controls: an update the agent saw succeed, whose item holds
 	// the new title; and, for the delete adapter, a declared item known to
 	// exist (a deleted one reads absent, like a misconfiguration).
+	// And, for its "still present" answers, a delete the agent saw succeed
+	// (its 2xx), whose item is gone (404).
 	e.succeeded("items.update", "shop", "/v1/items/c1", `{"title":"new"}`, pre, "it_c1")
+	e.succeeded("items.delete", "shop", "/v1/items/g1", `{}`, pre, "")
 	api.setItem("/v1/items/c1", item("new"))
 	api.setItem("/v1/items/c2", item("old"))
 	e.controls = func(reg *readback.Registry) {

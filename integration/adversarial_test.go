@@ -13,6 +13,7 @@ import (
 	"net/http/httptest"
 	"slices"
 	"strconv"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -54,104 +55,178 @@ func drainPastWindow(t *testing.T, pool *reconcile.Pool, clk *clock) {
 	}
 }
 
-// BREAK (positive control from another operation): a binding that covers a
-// whole dependency (no `operations:`) draws its ledger control from "the
-// latest receipt of the dependency (any operation) that settled succeeded
-// from a 2xx" (sqlControlReceipt with an empty operation list). Sequence:
+// Issue 7, adversarial review: "a dependency-wide adapter's control drawn
+// from the ledger came from another operation (articles) and vouched for
+// comments.create, which then settled safe_to_retry although the comment
+// existed". Sequence attempted:
 //
 //  1. blog-api has articles.create and comments.create; one adapter covers
 //     the dependency, configured with the articles path (correct for
 //     articles, wrong for comments: it never reads comments);
-//  2. an articles.create call succeeds from its 2xx: the control;
+//  2. an articles.create call succeeds from its 2xx (a ledger control for
+//     articles), and the file declares an article as control of
+//     articles.create;
 //  3. a comments.create call times out after the comment was created;
 //  4. the reconciler reads the articles path for the comment's marker:
-//     absent, authoritative; the control (the article) passes on that
-//     same path; the comment receipt is settled safe_to_retry while the
-//     comment exists.
+//     absent, authoritative.
 //
-// Fix (reconcile/control.go, sql.go): a control is valid per (binding,
-// operation): draw it from receipts of the operation of the receipt being
-// settled (key the control state by binding and operation), and let a
-// declared control vouch only for the operation it names.
-func TestAdversarialControlFromAnotherOperation(t *testing.T) {
-	db := pgtest.NewPool(t)
-	clk := newClock()
-	articles := newFakeAPI(t, clk.Now, 0) // what the adapter reads
-	comments := newFakeAPI(t, clk.Now, 0) // where comments really live
-	// 2. The control: an article created from a 2xx.
-	art := seed(t, db, 1, "articles.create", "blog-api", "submitted")[0]
-	markSucceededFromResponse(t, db, art, "art-1")
-	articles.Create(idempotencyKey(t, db, art), "art-1")
-	// 3. A comment whose call timed out: the comment exists.
-	com := seed(t, db, 1, "comments.create", "blog-api", "outcome_unknown")[0]
-	comments.Create(idempotencyKey(t, db, com), "com-1")
+// Guaranteed: a control vouches only for its own operation. Control state
+// is per (adapter, operation); a ledger control is a receipt of the
+// operation being settled, a declared one vouches for the operation it
+// names. The comment waits (comments.create has no control: nothing of it
+// succeeded from a 2xx) and the adapter is reported unhealthy for
+// comments.create; an absent article still settles safe_to_retry on the
+// articles control.
+func TestControlVouchesOnlyForItsOperation(t *testing.T) {
+	for _, declared := range []bool{false, true} {
+		t.Run(fmt.Sprintf("declared=%v", declared), func(t *testing.T) {
+			db := pgtest.NewPool(t)
+			clk := newClock()
+			articles := newFakeAPI(t, clk.Now, 0) // what the adapter reads
+			comments := newFakeAPI(t, clk.Now, 0) // where comments really live
+			// 2. The controls: an article created from a 2xx; a declared one.
+			art := seed(t, db, 1, "articles.create", "blog-api", "submitted")[0]
+			markSucceededFromResponse(t, db, art, "art-1")
+			articles.Create(idempotencyKey(t, db, art), "art-1")
+			// 3. A comment whose call timed out: the comment exists.
+			com := seed(t, db, 1, "comments.create", "blog-api", "outcome_unknown")[0]
+			comments.Create(idempotencyKey(t, db, com), "com-1")
+			// An article whose call timed out and never landed.
+			lost := seed(t, db, 1, "articles.create", "blog-api", "outcome_unknown")[0]
 
-	reg := readback.NewRegistry()
-	if err := reg.Register(readback.Binding{Name: "blog-wide", Kind: readback.Create, Dependency: "blog-api",
-		Adapter: searchAdapter{base: articles.srv.URL, client: articles.srv.Client()}, Policy: shortPolicy()}); err != nil {
-		t.Fatal(err)
-	}
-	pool := newPool(t, db, reconcile.Config{Registry: reg, Now: clk.Now, OrphanTimeout: -1})
-	drainPastWindow(t, pool, clk)
-	if st := stateOf(t, db, com); st == "safe_to_retry" {
-		ev := settlements(t, db, com)
-		t.Fatalf("the comment exists but its receipt was settled safe_to_retry by an adapter that never reads comments; "+
-			"its control was an article: %v", ev[len(ev)-1]["evidence"].(map[string]any)["positive_control"])
+			b := readback.Binding{Name: "blog-wide", Kind: readback.Create, Dependency: "blog-api",
+				Adapter: searchAdapter{base: articles.srv.URL, client: articles.srv.Client()}, Policy: shortPolicy()}
+			if declared {
+				b.Control = fakeControl()
+				b.Control.Receipt.Operation = "articles.create"
+			}
+			reg := readback.NewRegistry()
+			if err := reg.Register(b); err != nil {
+				t.Fatal(err)
+			}
+			pool := newPool(t, db, reconcile.Config{Registry: reg, Now: clk.Now, OrphanTimeout: -1})
+			drainPastWindow(t, pool, clk)
+			if st := stateOf(t, db, com); st == "safe_to_retry" {
+				ev := settlements(t, db, com)
+				t.Fatalf("the comment exists but its receipt was settled safe_to_retry by an adapter that never reads comments; "+
+					"its control: %v", ev[len(ev)-1]["evidence"].(map[string]any)["positive_control"])
+			} else if st != "reconciling" {
+				t.Fatalf("comment receipt %s, want reconciling (waiting for a control of comments.create)", st)
+			}
+			if st := stateOf(t, db, lost); st != "safe_to_retry" {
+				t.Fatalf("the lost article's receipt is %s, want safe_to_retry on the articles control", st)
+			}
+			ctl, _ := settlements(t, db, lost)[0]["evidence"].(map[string]any)["positive_control"].(string)
+			if !strings.Contains(ctl, "present control for articles.create") {
+				t.Fatalf("the article's settlement names its control %q", ctl)
+			}
+			var comOK, artOK *reconcile.AdapterHealth
+			for _, h := range pool.AdapterHealth() {
+				switch h.Operation {
+				case "comments.create":
+					comOK = &h
+				case "articles.create":
+					artOK = &h
+				}
+			}
+			if comOK == nil || comOK.OK || !strings.Contains(comOK.Reason, "no present control") || artOK == nil || !artOK.OK {
+				t.Fatalf("health: comments %+v, articles %+v; want comments failing with no control, articles OK", comOK, artOK)
+			}
+		})
 	}
 }
 
-// BREAK (a misconfigured delete adapter settles safe_to_retry): a delete's
-// positive control is "a resource known to exist, found present". It shows
-// that the adapter can see what exists, i.e. that its ABSENT is real
-// (which settles deletes succeeded); it says nothing about its PRESENT,
-// which is what settles a delete safe_to_retry ("present after the window:
-// the delete did not happen"). An adapter that answers present for
-// everything passes. Sequence:
+// Issue 7, adversarial review: "a delete adapter reading a fixed path
+// answers present for everything; its 'present' control passes, and a
+// delete that happened settles safe_to_retry ('still present after the
+// window')". A delete's "present" control (a resource known to exist reads
+// present) shows its ABSENT is real; it says nothing about its PRESENT.
+// Sequence attempted:
 //
 //  1. a delete adapter is misconfigured: its fetch path is fixed (or the
 //     API soft-deletes and answers 200 for deleted items, or the path names
 //     the collection): every fetch finds something, "present";
 //  2. its declared control (a resource that exists) is found: passes;
 //  3. DELETE /things/42 times out after the delete happened;
-//  4. after the window the adapter answers present: safe_to_retry, while
-//     the delete's effect (the resource is gone) exists.
+//  4. after the window the adapter answers present.
 //
-// Fix (readback/control.go, reconcile/control.go): a delete adapter's
-// control needs both sides: a resource known to exist (must read present)
-// and one known to be gone (must read absent, e.g. a declared
-// `control.absent_target`, or a receipt of the operation settled succeeded
-// from a 2xx, whose resource is deleted); until both pass, neither a
-// delete's succeeded nor its safe_to_retry settles.
-func TestAdversarialDeleteAdapterThatAlwaysSeesPresent(t *testing.T) {
-	db := pgtest.NewPool(t)
-	clk := newClock()
-	var mu sync.Mutex
-	existing := map[string]bool{"/things/control": true} // /things/42 was deleted
-	// The misconfigured adapter reads /things/control whatever the receipt's
-	// target: present for everything.
-	fixedPath := readback.AdapterFunc(func(_ context.Context, r readback.Receipt) (readback.Result, error) {
-		mu.Lock()
-		defer mu.Unlock()
-		path := "/things/control" // should have been r.Target
-		if existing[path] {
-			return readback.Result{Verdict: readback.VerdictPresent, ExternalIDs: []string{"control"},
-				Authoritative: true, Query: "GET " + path}, nil
-		}
-		return readback.Result{Verdict: readback.VerdictAbsent, Authoritative: true, Query: "GET " + path}, nil
-	})
-	ctl := &readback.Control{Source: "declared", Receipt: readback.Receipt{IdempotencyKey: "control-thing",
-		Target: "/things/control", Method: "DELETE", SubmittedAt: clk.Now().Add(-time.Hour)}}
-	reg := readback.NewRegistry()
-	if err := reg.Register(readback.Binding{Name: "things-delete", Kind: readback.Delete, Dependency: "del-api",
-		Adapter: fixedPath, Policy: shortPolicy(), Control: ctl}); err != nil {
-		t.Fatal(err)
-	}
-	id := seed(t, db, 1, "things.delete", "del-api", "outcome_unknown")[0]
-	pool := newPool(t, db, reconcile.Config{Registry: reg, Now: clk.Now, OrphanTimeout: -1})
-	drainPastWindow(t, pool, clk)
-	if st := stateOf(t, db, id); st == "safe_to_retry" {
-		t.Fatalf("the delete happened (the resource is gone) but a delete adapter that answers present for everything "+
-			"passed its control and settled the receipt %s", st)
+// Guaranteed: a delete's "still present after the window" settles
+// safe_to_retry only while the adapter's "gone" control passes: the newest
+// receipt of the same delete operation that settled succeeded from the
+// API's 2xx must read absent, authoritatively. The misconfigured adapter
+// fails it (it reads that resource present), settles nothing and is
+// reported unhealthy for the gone control; the correct adapter settles the
+// delete that happened succeeded (on its present control) and the one that
+// did not safe_to_retry (on its gone control), each settlement naming it.
+func TestDeleteStillPresentNeedsGoneControl(t *testing.T) {
+	for _, misconfigured := range []bool{true, false} {
+		t.Run(fmt.Sprintf("misconfigured=%v", misconfigured), func(t *testing.T) {
+			db := pgtest.NewPool(t)
+			clk := newClock()
+			// A delete the agent saw succeed from its 2xx: its thing is gone.
+			gone := seed(t, db, 1, "things.delete", "del-api", "submitted")[0]
+			markSucceededFromResponse(t, db, gone, "")
+			ids := seed(t, db, 2, "things.delete", "del-api", "outcome_unknown")
+			happened, notDone := ids[0], ids[1] // 3. the first delete happened
+			var mu sync.Mutex
+			// Things by path (the receipt's key stands for its path).
+			existing := map[string]bool{"control-thing": true, idempotencyKey(t, db, notDone): true}
+			adapter := readback.AdapterFunc(func(_ context.Context, r readback.Receipt) (readback.Result, error) {
+				mu.Lock()
+				defer mu.Unlock()
+				path := r.IdempotencyKey
+				if misconfigured {
+					path = "control-thing" // 1. a fixed path: should have been the receipt's
+				}
+				if existing[path] {
+					return readback.Result{Verdict: readback.VerdictPresent, ExternalIDs: []string{path},
+						Authoritative: true, Query: "GET /things/" + path}, nil
+				}
+				return readback.Result{Verdict: readback.VerdictAbsent, Authoritative: true, Query: "GET /things/" + path}, nil
+			})
+			// 2. The declared control: a thing that exists.
+			ctl := &readback.Control{Source: "declared", Receipt: readback.Receipt{IdempotencyKey: "control-thing",
+				Operation: "things.delete", Target: "/things/control", Method: "DELETE", SubmittedAt: clk.Now().Add(-time.Hour)}}
+			reg := readback.NewRegistry()
+			if err := reg.Register(readback.Binding{Name: "things-delete", Kind: readback.Delete, Dependency: "del-api",
+				Adapter: adapter, Policy: shortPolicy(), Control: ctl}); err != nil {
+				t.Fatal(err)
+			}
+			pool := newPool(t, db, reconcile.Config{Registry: reg, Now: clk.Now, OrphanTimeout: -1})
+			drainPastWindow(t, pool, clk)
+			health := map[reconcile.ControlKind]reconcile.AdapterHealth{}
+			for _, h := range pool.AdapterHealth() {
+				health[h.Control] = h
+			}
+			if misconfigured {
+				if st := stateOf(t, db, happened); st == "safe_to_retry" {
+					t.Fatalf("the delete happened (the thing is gone) but an adapter that answers present for everything "+
+						"settled the receipt %s", st)
+				}
+				if st := stateOf(t, db, notDone); st != "reconciling" {
+					t.Fatalf("a delete read by an adapter that answers present for everything settled %s", st)
+				}
+				if h := health[reconcile.ControlGone]; h.OK || !strings.Contains(h.Reason, "confirmed deleted") {
+					t.Fatalf("gone control health %+v, want failing: the adapter reads a deleted thing present", h)
+				}
+				return
+			}
+			for id, want := range map[int64]string{happened: "succeeded", notDone: "safe_to_retry"} {
+				if st := stateOf(t, db, id); st != want {
+					t.Fatalf("receipt %d: %s, want %s", id, st, want)
+				}
+			}
+			for id, want := range map[int64]string{happened: "present control for things.delete: declared",
+				notDone: fmt.Sprintf("gone control for things.delete: receipt:%d", gone)} {
+				c, _ := settlements(t, db, id)[0]["evidence"].(map[string]any)["positive_control"].(string)
+				if !strings.HasPrefix(c, want) {
+					t.Fatalf("receipt %d's settlement names control %q, want %q...", id, c, want)
+				}
+			}
+			if !health[reconcile.ControlGone].OK || !health[reconcile.ControlPresent].OK {
+				t.Fatalf("health %+v, want both controls OK", health)
+			}
+		})
 	}
 }
 
@@ -191,34 +266,34 @@ func (a *pagedAPI) create(key, id string, at time.Time) {
 		"metadata": map[string]any{"idempotency_key": key}})
 }
 
-// BREAK (the control does not exercise what the absence relies on):
-// the control drawn from the ledger is the NEWEST receipt that succeeded,
-// and a list sorted newest first serves it on page 1. A pagination
-// misconfiguration that reads only page 1 (style none on a paginated API;
-// a cursor pointer that names nothing, without has_more) passes that
-// control, and every receipt whose item is past page 1 reads as an
-// authoritative absence. Sequence:
+// Issue 7, adversarial review: "the control does not exercise what the
+// absence relies on": the control drawn from the ledger was the NEWEST
+// receipt that succeeded, which a list sorted newest first serves on page
+// 1, so a pagination misconfiguration that reads only page 1 passed it and
+// every receipt whose item is past page 1 read as an authoritative
+// absence. Sequence attempted:
 //
 //  1. receipt U (things.create) times out; its thing was created;
 //  2. three more things.create calls succeed from their 2xx afterwards;
 //  3. the list (newest first, 2 per page) serves them on page 1, U's on
-//     page 2; the adapter reads page 1 and stops (no cursor found /
-//     no pagination declared): absent, authoritative (a cursor list
-//     "cannot skip items");
-//  4. the control (the newest success) is on page 1: passes; U settles
-//     safe_to_retry while its thing exists.
+//     page 2; the adapter reads page 1 and stops (no pagination declared,
+//     or declared whole when it is not; a cursor pointer naming nothing).
 //
-// Fix: an absence through a list whose last page was full is not
-// authoritative unless the end of the list was seen (has_more false, or a
-// short page): require has_more for cursor lists and treat a full page as
-// "may go on" for style none; and run the control under the checked
-// receipt's window, with a control at least as old as the receipt
-// (readback/httpadapter/adapter.go; reconcile/sql.go sqlControlReceipt
-// picking a receipt submitted before the one being settled).
-func TestAdversarialPaginationMisconfigPassesTheControl(t *testing.T) {
-	for _, tc := range []struct{ name, pagination string }{
-		{"style none on a paginated list", "{style: none}"},
-		{"cursor pointer that names nothing", "{style: cursor, cursor: /next, param: cursor}"},
+// Guaranteed, in two layers: an unpaged list's absence is authoritative
+// only when declared whole (or narrowed to the key), and a cursor list
+// needs has_more, whose "true" without a cursor is not the end
+// (readback/httpadapter); and the ledger control is the receipt of the
+// operation submitted closest to the one being settled (the newest
+// submitted no later, else the oldest after: here thing-0, on page 2), so
+// a list declared whole that is cut short misses the control too and fails
+// it. U never settles safe_to_retry; a correct cursor configuration finds
+// its thing.
+func TestPaginationMisconfigProvesNoAbsence(t *testing.T) {
+	for _, tc := range []struct{ name, pagination, want string }{
+		{"style none on a paginated list", "{style: none}", "reconciling"},
+		{"style none declared whole on a paginated list", "{style: none, whole_list: true}", "reconciling"},
+		{"cursor pointer that names nothing", "{style: cursor, cursor: /next, param: cursor, has_more: /has_more}", "reconciling"},
+		{"correct cursor", "{style: cursor, cursor: /next_cursor, param: cursor, has_more: /has_more}", "succeeded"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			db := pgtest.NewPool(t)
@@ -262,10 +337,22 @@ adapters:
 			}
 			pool := newPool(t, db, reconcile.Config{Registry: reg, Now: clk.Now, OrphanTimeout: -1})
 			drainPastWindow(t, pool, clk)
-			if st := stateOf(t, db, u); st == "safe_to_retry" {
+			st := stateOf(t, db, u)
+			if st == "safe_to_retry" {
 				ev := settlements(t, db, u)
 				t.Fatalf("receipt %d's thing exists (page 2 of the list) but it was settled safe_to_retry; control: %v",
 					u, ev[len(ev)-1]["evidence"].(map[string]any)["positive_control"])
+			}
+			if st != tc.want {
+				t.Fatalf("receipt %d: %s, want %s", u, st, tc.want)
+			}
+			if strings.Contains(tc.pagination, "whole_list") {
+				// Only the control stands between this misconfiguration
+				// and a false absence: it must have failed.
+				h := pool.AdapterHealth()
+				if len(h) != 1 || h[0].OK || h[0].Operation != "things.create" {
+					t.Fatalf("health %+v, want the present control of things.create failing", h)
+				}
 			}
 		})
 	}

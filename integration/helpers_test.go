@@ -155,9 +155,10 @@ type resource struct {
 // settles nothing until its control has passed).
 const controlMarker = "control-marker"
 
-// fakeControl is the declared control of adapters over fakeAPI.
+// fakeControl is the declared control of adapters over fakeAPI: a thing
+// made by things.create (a declared control vouches only for its operation).
 func fakeControl() *readback.Control {
-	return &readback.Control{Receipt: readback.Receipt{IdempotencyKey: controlMarker}, Source: "declared"}
+	return &readback.Control{Receipt: readback.Receipt{IdempotencyKey: controlMarker, Operation: "things.create"}, Source: "declared"}
 }
 
 func newFakeAPI(t testing.TB, now func() time.Time, lag time.Duration) *fakeAPI {

@@ -111,11 +111,24 @@ func TestSettleRules(t *testing.T) {
 			db := pgtest.NewPool(t)
 			clk := newClock()
 			id := seed(t, db, 1, "things.change", "static-api", "outcome_unknown")[0]
+			ctl := fakeControl()
+			ctl.Receipt.Operation = "things.change"
+			gone := ""
+			if tt.kind == readback.Delete {
+				// A delete the agent saw succeed (its 2xx): its resource
+				// is gone, the control of "still present".
+				g := seed(t, db, 1, "things.change", "static-api", "submitted")[0]
+				markSucceededFromResponse(t, db, g, "gone-1")
+				gone = idempotencyKey(t, db, g)
+			}
 			reg := registry(t, nil, shortPolicy(), readback.Binding{Name: "answer", Kind: tt.kind,
-				Dependency: "static-api", Policy: shortPolicy(), Control: fakeControl(),
+				Dependency: "static-api", Policy: shortPolicy(), Control: ctl,
 				Adapter: readback.AdapterFunc(func(_ context.Context, r readback.Receipt) (readback.Result, error) {
-					if r.IdempotencyKey == controlMarker { // the declared control exists
+					switch r.IdempotencyKey {
+					case controlMarker: // the declared control exists
 						return readback.Result{Verdict: readback.VerdictPresent, ExternalIDs: []string{"c"}, Authoritative: true}, nil
+					case gone:
+						return readback.Result{Verdict: readback.VerdictAbsent, Authoritative: true}, nil
 					}
 					return tt.answer, nil
 				})})

@@ -401,7 +401,7 @@ func TestPositiveControl(t *testing.T) {
 			}
 			settled := countWhere(t, db, fmt.Sprintf("id IN (%d, %d, %d) AND state = 'safe_to_retry'", ids[0], ids[1], ids[2]))
 			health := pool.AdapterHealth()
-			ok := gaugeValue(t, metrics.ControlOK.WithLabelValues("fake-search"))
+			ok := gaugeValue(t, metrics.ControlOK.WithLabelValues("fake-search", "things.create", "present"))
 			if tt.healthy {
 				if settled != 3 || len(health) != 1 || !health[0].OK || ok != 1 {
 					t.Fatalf("correct adapter: %d safe_to_retry, health %+v, metric %v; want 3, OK, 1", settled, health, ok)

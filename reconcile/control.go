@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"slices"
 	"sort"
 	"sync"
 	"time"
@@ -16,89 +17,150 @@ import (
 // Positive controls (SPEC §5a; issue 7, "a misconfigured adapter must not
 // produce proof"). A wrong path, filter or marker makes an adapter answer
 // "absent" for everything, which reads exactly like an authoritative
-// absence. So an adapter's absence settles nothing until the adapter has
-// recently found an effect known to exist: its control. The control is the
-// one the adapters file declares for the binding (readback.Binding.Control)
-// or, failing that, the latest receipt the binding reads that settled
-// succeeded from the API's own 2xx response (found by Store.ControlReceipt
-// with a bounded walk of the newest receipts). A delete adapter's control
-// must be declared: a deleted resource is absent, which is precisely what
-// a misconfigured adapter answers.
+// absence; a fixed path (or an API that soft-deletes) makes a delete
+// adapter answer "present" for everything, which reads exactly like a
+// delete that did not happen. So an answer that settles a receipt on such
+// a reading settles nothing until the adapter has recently passed the
+// control of that reading, for the receipt's operation (ControlNeeded):
 //
-// Controls run lazily: only when an absence would otherwise settle a
-// receipt and the binding's last run is older than Config.ControlInterval;
-// after a failed run, once Config.ControlRetry has passed; a pass counts for
-// Config.ControlValidFor. They go through the same Gate
-// as checks. Until a control passes the receipt waits (released with its
-// next check, never safe_to_retry), the check record says why, the adapter
-// is reported unhealthy (reconciler_adapter_control_ok, a log line,
+//   - ControlPresent (an absence: a create's or update's safe_to_retry, a
+//     delete's succeeded): an effect known to exist reads present. It is
+//     the control the adapters file declares for the binding
+//     (readback.Binding.Control), which vouches only for the operation it
+//     names, or, for a create or update of another operation or without a
+//     declared one, a receipt of the operation being settled that settled
+//     succeeded from the API's own 2xx response: the one submitted closest
+//     to the receipt being settled (newest submitted no later than it, else
+//     the oldest after it; sqlControlReceipt), found with a bounded walk of
+//     the newest receipts. A delete's must be declared: a deleted resource
+//     is absent, which is precisely what a misconfigured adapter answers.
+//   - ControlGone (a delete's safe_to_retry, "still present after the
+//     window"): the newest receipt of the same delete operation that
+//     settled succeeded from the API's 2xx response must read absent,
+//     authoritatively. Until the operation has one, its deletes never
+//     settle safe_to_retry (they wait, then go to manual review).
+//
+// Control state is kept per (adapter, operation, control). A pass of a
+// ledger present-control submitted at Tc, drawn for a receipt submitted at
+// T >= Tc, vouches for receipts submitted at or after Tc: each of them
+// would draw that control or a newer one, which a read that found the
+// older one finds too (a list read newest first and cut short misses the
+// oldest first). Drawn as the fallback (no control submitted by T: Tc >
+// T), it vouches for every receipt: an older one would draw the same. A
+// receipt submitted before Tc runs the control again, drawn for it, at
+// most once per Config.ControlRetry, and waits meanwhile. Declared and gone controls do
+// not depend on the receipt and vouch for all receipts of their operation.
+//
+// Controls run lazily: only when an answer would otherwise settle a receipt
+// and the control's last run is older than Config.ControlInterval; after a
+// failed run, once Config.ControlRetry has passed; a pass counts for
+// Config.ControlValidFor. They go through the same Gate as checks. Until a
+// control passes the receipt waits (released with its next check, never
+// settled on that answer), the check record says why, the adapter is
+// reported unhealthy for that operation and control
+// (reconciler_adapter_control_ok{adapter,operation,control}, a log line,
 // Pool.AdapterHealth for /readyz).
 
-// AdapterHealth is the positive-control state of one adapter.
+// AdapterHealth is the state of one positive control of one adapter: per
+// operation and control once a control has run, else one entry for the
+// adapter saying that none has run yet.
 type AdapterHealth struct {
 	Adapter    string `json:"adapter"`
 	Dependency string `json:"dependency"`
-	// OK is true while the adapter's control passed within the validity
-	// period: its absences may settle receipts.
+	// Operation is the operation the control vouches for ("" before any
+	// control of the adapter has run).
+	Operation string `json:"operation,omitempty"`
+	// Control is the kind of control: "present" (gates absences) or
+	// "gone" (gates a delete's "still present after the window").
+	Control ControlKind `json:"control,omitempty"`
+	// OK is true while the control passed within the validity period: the
+	// answers it gates may settle receipts of Operation.
 	OK bool `json:"control_ok"`
-	// Reason says why the adapter is not OK, or which control passed.
+	// Reason says why the control is not OK, or which control passed.
 	Reason string `json:"reason,omitempty"`
 	// LastRun and LastPass are on the database's clock (zero: never).
 	LastRun  time.Time `json:"last_run,omitempty"`
 	LastPass time.Time `json:"last_pass,omitempty"`
 }
 
-// controlEntry is the control state of one binding.
-type controlEntry struct {
-	binding  *readback.Binding
-	lastRun  time.Time
-	lastPass time.Time
-	source   string // of the last pass
-	reason   string // of the last failure ("" after a pass)
-	running  chan struct{}
+// controlKey names the state of one control: an adapter's control of one
+// kind for one operation.
+type controlKey struct {
+	adapter   string
+	operation string
+	kind      ControlKind
 }
 
-// controls holds the control state of every binding of a pool.
+// controlEntry is the state of one control.
+type controlEntry struct {
+	key        controlKey
+	dependency string
+	lastRun    time.Time
+	lastPass   time.Time
+	source     string // of the last pass
+	// covers: the last pass vouches for receipts submitted at or after it
+	// (zero: for every receipt of the operation).
+	covers  time.Time
+	reason  string // of the last failure ("" after a pass)
+	running chan struct{}
+}
+
+// controls holds the control state of a pool.
 type controls struct {
 	mu      sync.Mutex
-	entries map[string]*controlEntry
+	entries map[controlKey]*controlEntry
 }
 
-func (cs *controls) entry(b *readback.Binding) *controlEntry {
+func (cs *controls) entry(b *readback.Binding, op string, kind ControlKind) *controlEntry {
 	cs.mu.Lock()
 	defer cs.mu.Unlock()
 	if cs.entries == nil {
-		cs.entries = map[string]*controlEntry{}
+		cs.entries = map[controlKey]*controlEntry{}
 	}
-	e, ok := cs.entries[b.Name]
+	k := controlKey{adapter: b.Name, operation: op, kind: kind}
+	e, ok := cs.entries[k]
 	if !ok {
-		e = &controlEntry{binding: b}
-		cs.entries[b.Name] = e
+		e = &controlEntry{key: k, dependency: b.Dependency}
+		cs.entries[k] = e
 	}
 	return e
 }
 
-// verdict says whether e's control holds at now. Callers hold cs.mu.
+// verdict says whether e's control holds at now, whatever the receipt.
+// Callers hold cs.mu.
 func (e *controlEntry) verdict(now time.Time, validFor time.Duration) controlVerdict {
+	what := fmt.Sprintf("%s control for %s", e.key.kind, e.key.operation)
 	switch {
 	case !e.lastPass.IsZero() && now.Sub(e.lastPass) < validFor:
-		return controlVerdict{ok: true, note: fmt.Sprintf("%s found at %s", e.source, e.lastPass.UTC().Format(time.RFC3339))}
+		return controlVerdict{ok: true, note: fmt.Sprintf("%s: %s passed at %s", what, e.source, e.lastPass.UTC().Format(time.RFC3339))}
 	case e.reason != "":
-		return controlVerdict{note: e.reason}
+		return controlVerdict{note: fmt.Sprintf("%s: %s", what, e.reason)}
 	case !e.lastPass.IsZero():
-		return controlVerdict{note: fmt.Sprintf("last passed at %s, longer ago than %s", e.lastPass.UTC().Format(time.RFC3339), validFor)}
+		return controlVerdict{note: fmt.Sprintf("%s: last passed at %s, longer ago than %s", what, e.lastPass.UTC().Format(time.RFC3339), validFor)}
 	}
-	return controlVerdict{note: "not run yet"}
+	return controlVerdict{note: what + ": not run yet"}
 }
 
-// control returns whether b's absences may settle receipts now, running
-// b's control first when its last run is stale. One run per binding at a
-// time: concurrent callers wait for it.
-func (s *session) control(b *readback.Binding) controlVerdict {
+// verdictFor is verdict for a receipt submitted at submitted: a pass
+// vouches only for receipts submitted since e.covers. Callers hold cs.mu.
+func (e *controlEntry) verdictFor(now time.Time, validFor time.Duration, submitted time.Time) controlVerdict {
+	v := e.verdict(now, validFor)
+	if v.ok && !e.covers.IsZero() && submitted.Before(e.covers) {
+		return controlVerdict{note: fmt.Sprintf("%s, which vouches for receipts submitted since %s, not for this one (submitted at %s): "+
+			"a control at least as old runs first", v.note, e.covers.UTC().Format(time.RFC3339Nano), submitted.UTC().Format(time.RFC3339Nano))}
+	}
+	return v
+}
+
+// control returns whether b's answers gated by the control kind may settle
+// r now, running that control of b for r's operation first when its last
+// run is stale, or when its last pass does not reach back to r. One run per
+// control at a time: concurrent callers wait for it.
+func (s *session) control(b *readback.Binding, r readback.Receipt, kind ControlKind) controlVerdict {
 	p := s.p
 	cfg := p.cfg
 	cs := &p.ctl
-	e := cs.entry(b)
+	e := cs.entry(b, r.Operation, kind)
 	for {
 		cs.mu.Lock()
 		if e.running == nil {
@@ -118,15 +180,20 @@ func (s *session) control(b *readback.Binding) controlVerdict {
 		every = min(every, cfg.ControlRetry) // the last run failed
 	}
 	if !e.lastRun.IsZero() && now.Sub(e.lastRun) < every {
-		v := e.verdict(now, cfg.ControlValidFor)
-		cs.mu.Unlock()
-		return v
+		v := e.verdictFor(now, cfg.ControlValidFor, r.SubmittedAt)
+		// A pass that does not reach back to r runs again, drawn for r,
+		// at most once per ControlRetry.
+		extend := !v.ok && e.verdict(now, cfg.ControlValidFor).ok && now.Sub(e.lastRun) >= cfg.ControlRetry
+		if !extend {
+			cs.mu.Unlock()
+			return v
+		}
 	}
 	ch := make(chan struct{})
 	e.running = ch
 	cs.mu.Unlock()
 
-	source, definitive, err := p.runControl(s.work, b, cfg.Gate)
+	source, covers, definitive, err := p.runControl(s.work, b, r, kind, cfg.Gate)
 
 	cs.mu.Lock()
 	defer cs.mu.Unlock()
@@ -134,52 +201,55 @@ func (s *session) control(b *readback.Binding) controlVerdict {
 	close(ch)
 	now = cfg.Now()
 	e.lastRun = now
-	wasOK := e.reason == "" && !e.lastPass.IsZero()
+	wasOK := e.verdict(now, cfg.ControlValidFor).ok && e.reason == ""
 	if err == nil {
-		e.lastPass, e.source, e.reason = now, source, ""
+		e.lastPass, e.source, e.covers, e.reason = now, source, covers, ""
 		if !wasOK {
-			p.log.Info("positive control passed: the adapter's absences may settle receipts",
-				"adapter", b.Name, "dependency", b.Dependency, "control", source)
+			p.log.Info("positive control passed: the adapter's answers it gates may settle receipts of the operation",
+				"adapter", b.Name, "dependency", b.Dependency, "operation", r.Operation, "control", string(kind), "source", source)
 		}
 	} else {
 		e.reason = err.Error()
 		if definitive {
-			// The adapter answered and did not find what exists: whatever
-			// passed before, its absences prove nothing now.
+			// The adapter answered and did not read what is known: whatever
+			// passed before, the answers this control gates prove nothing now.
 			e.lastPass = time.Time{}
 		}
-		p.log.Warn("positive control failed: the adapter's absences settle nothing until it passes",
-			"adapter", b.Name, "dependency", b.Dependency, "control", source, "reason", e.reason)
+		p.log.Warn("positive control failed: the adapter's answers it gates settle nothing until it passes",
+			"adapter", b.Name, "dependency", b.Dependency, "operation", r.Operation, "control", string(kind),
+			"source", source, "reason", e.reason)
 	}
-	v := e.verdict(now, cfg.ControlValidFor)
 	if p.m != nil {
 		ok := 0.0
-		if v.ok {
+		if e.verdict(now, cfg.ControlValidFor).ok {
 			ok = 1
 		}
-		p.m.ControlOK.WithLabelValues(b.Name).Set(ok)
+		p.m.ControlOK.WithLabelValues(b.Name, r.Operation, string(kind)).Set(ok)
 	}
-	return v
+	return e.verdictFor(now, cfg.ControlValidFor, r.SubmittedAt)
 }
 
-// runControl runs b's control through gate. definitive is set when the
-// failure says the adapter is wrong (it answered, or failed permanently, or
-// has no control to run), as opposed to a transient failure or a deferral.
-func (p *Pool) runControl(ctx context.Context, b *readback.Binding, gate Gate) (source string, definitive bool, err error) {
-	r, source, err := findControl(ctx, p.db, b, p.cfg.ControlScan)
+// runControl runs b's control of kind for receipt r (its operation, and for
+// a ledger present-control its submission time) through gate. covers is
+// the earliest submission time a pass vouches for (zero: all). definitive
+// is set when the failure says the adapter is wrong (it answered, or
+// failed permanently, or has no control to run), as opposed to a transient
+// failure or a deferral.
+func (p *Pool) runControl(ctx context.Context, b *readback.Binding, r readback.Receipt, kind ControlKind, gate Gate) (source string, covers time.Time, definitive bool, err error) {
+	ctl, source, covers, err := findControl(ctx, p.db, b, r.Operation, kind, r.SubmittedAt, p.cfg.ControlScan)
 	if err != nil {
 		var none *noControlError
-		return source, errors.As(err, &none), err
+		return source, covers, errors.As(err, &none), err
 	}
 	if l, ok := b.Adapter.(readback.Local); ok && l.Local() {
 		gate = openGate{}
 	}
 	pass, err := gate.Enter(ctx, b.Dependency, false)
 	if err != nil {
-		return source, false, fmt.Errorf("control %s not run: %w", source, err)
+		return source, covers, false, fmt.Errorf("control %s not run: %w", source, err)
 	}
 	cctx, cancel := context.WithTimeout(ctx, p.cfg.CheckTimeout)
-	res, cerr := safeCheck(cctx, b.Adapter, r)
+	res, cerr := safeCheck(cctx, b.Adapter, ctl)
 	cancel()
 	result, retryAfter := Answered, time.Duration(0)
 	if cerr != nil {
@@ -191,7 +261,7 @@ func (p *Pool) runControl(ctx context.Context, b *readback.Binding, gate Gate) (
 	}
 	if ctx.Err() != nil {
 		pass.Exit(Cancelled, 0)
-		return source, false, fmt.Errorf("control %s: %w", source, ctx.Err())
+		return source, covers, false, fmt.Errorf("control %s: %w", source, ctx.Err())
 	}
 	pass.Exit(result, retryAfter)
 	if p.m != nil {
@@ -201,10 +271,33 @@ func (p *Pool) runControl(ctx context.Context, b *readback.Binding, gate Gate) (
 		}
 		p.m.Checks.WithLabelValues(b.Name, outcome).Inc()
 	}
-	if err := readback.EvaluateControl(b, res, cerr); err != nil {
-		return source, cerr == nil || result == FailedPermanent, fmt.Errorf("control %s: %w", source, err)
+	if err := evaluateControl(b, kind, res, cerr); err != nil {
+		return source, covers, cerr == nil || result == FailedPermanent, fmt.Errorf("control %s: %w", source, err)
 	}
-	return source, false, nil
+	return source, covers, false, nil
+}
+
+// evaluateControl says whether the answer res (or the failure err) passes
+// b's control of kind: a present control must read present
+// (readback.EvaluateControl); a gone control, a resource the API confirmed
+// deleted, must read absent, authoritatively.
+func evaluateControl(b *readback.Binding, kind ControlKind, res readback.Result, err error) error {
+	if kind != ControlGone {
+		return readback.EvaluateControl(b, res, err)
+	}
+	if err != nil {
+		return fmt.Errorf("%w: adapter %s: the check failed: %w", readback.ErrControlFailed, b.Name, err)
+	}
+	if res.Verdict != readback.VerdictAbsent || !res.Authoritative {
+		auth := "authoritative"
+		if !res.Authoritative {
+			auth = "not authoritative"
+		}
+		return fmt.Errorf("%w: adapter %s answered %s (%s; query %s) for a resource the API confirmed deleted "+
+			"(a delete that settled succeeded from its 2xx response): its \"present\" proves nothing",
+			readback.ErrControlFailed, b.Name, res.Verdict, auth, res.Query)
+	}
+	return nil
 }
 
 // noControlError means a binding has no control to run.
@@ -212,75 +305,192 @@ type noControlError struct{ msg string }
 
 func (e *noControlError) Error() string { return e.msg }
 
-// findControl returns the receipt b's control looks for: the declared one,
-// else a ledger receipt (create and update only).
-func findControl(ctx context.Context, db *pgxpool.Pool, b *readback.Binding, scan int) (readback.Receipt, string, error) {
-	if c := b.Control; c != nil {
-		source := c.Source
-		if source == "" {
-			source = "declared"
-		}
-		return c.Receipt, source, nil
+// declaredOperation is the operation a declared control vouches for: its
+// Receipt.Operation (never empty after readback.LoadFile), else the
+// binding's only operation, else none.
+func declaredOperation(b *readback.Binding) string {
+	if b.Control == nil {
+		return ""
 	}
-	if b.Kind == readback.Delete {
-		return readback.Receipt{}, "", &noControlError{msg: "no control: a delete adapter needs a declared control " +
-			"(a resource known to exist), since a deleted one reads absent like a misconfiguration"}
+	if op := b.Control.Receipt.Operation; op != "" {
+		return op
 	}
+	if len(b.Operations) == 1 {
+		return b.Operations[0]
+	}
+	return ""
+}
+
+// findControl returns the receipt b's control of kind for operation op
+// looks for, with its source and the earliest submission time a pass
+// vouches for (zero: all). A present control is the declared one when it
+// vouches for op, else (create and update only) the ledger receipt of op
+// closest to a receipt submitted at before (before zero: the newest). A
+// gone control (delete only) is the newest ledger receipt of op.
+func findControl(ctx context.Context, db *pgxpool.Pool, b *readback.Binding, op string, kind ControlKind, before time.Time, scan int) (readback.Receipt, string, time.Time, error) {
 	if scan <= 0 {
 		scan = ControlScan
 	}
-	r, ok, err := controlReceipt(ctx, db, b, scan)
+	if kind == ControlGone {
+		if b.Kind != readback.Delete {
+			return readback.Receipt{}, "", time.Time{}, &noControlError{msg: "no gone control: only a delete adapter has one"}
+		}
+		r, ok, err := controlReceipt(ctx, db, b, op, time.Time{}, scan)
+		if err != nil {
+			return readback.Receipt{}, "", time.Time{}, err
+		}
+		if !ok {
+			return readback.Receipt{}, "", time.Time{}, &noControlError{msg: fmt.Sprintf("no gone control: none of the %d newest "+
+				"receipts of %s on %s settled succeeded from the API's response, so nothing known to be deleted shows that "+
+				"the adapter's \"present\" is real; its deletes do not settle safe_to_retry", scan, op, b.Dependency)}
+		}
+		return r, fmt.Sprintf("receipt:%d", r.ID), time.Time{}, nil
+	}
+	if c := b.Control; c != nil {
+		declared := declaredOperation(b)
+		if declared == op {
+			source := c.Source
+			if source == "" {
+				source = "declared"
+			}
+			return c.Receipt, source, time.Time{}, nil
+		}
+		if b.Kind == readback.Delete {
+			if declared == "" {
+				return readback.Receipt{}, "", time.Time{}, &noControlError{msg: fmt.Sprintf("no present control for %s: "+
+					"the declared control names no operation and the adapter has several or none: it vouches for none", op)}
+			}
+			return readback.Receipt{}, "", time.Time{}, &noControlError{msg: fmt.Sprintf("no present control for %s: "+
+				"the declared control vouches only for %s", op, declared)}
+		}
+	}
+	if b.Kind == readback.Delete {
+		return readback.Receipt{}, "", time.Time{}, &noControlError{msg: "no present control: a delete adapter needs a declared control " +
+			"(a resource known to exist), since a deleted one reads absent like a misconfiguration"}
+	}
+	r, ok, err := controlReceipt(ctx, db, b, op, before, scan)
 	if err != nil {
-		return readback.Receipt{}, "", err
+		return readback.Receipt{}, "", time.Time{}, err
 	}
 	if !ok {
-		return readback.Receipt{}, "", &noControlError{msg: fmt.Sprintf("no control: none declared, and none of the "+
-			"%d newest receipts of its operations on %s settled succeeded from the API's response", scan, b.Dependency)}
+		return readback.Receipt{}, "", time.Time{}, &noControlError{msg: fmt.Sprintf("no present control: none declared for %s, "+
+			"and none of the %d newest receipts of %s on %s settled succeeded from the API's response", op, scan, op, b.Dependency)}
 	}
-	return r, fmt.Sprintf("receipt:%d", r.ID), nil
+	// A control submitted no later than before vouches for receipts
+	// submitted since itself (they draw it or a newer one); one submitted
+	// after before (none is as old: the fallback) vouches for all (an older
+	// receipt draws the same one, a newer one it or a newer one).
+	covers := time.Time{}
+	if !before.IsZero() && !r.SubmittedAt.After(before) {
+		covers = r.SubmittedAt
+	}
+	return r, fmt.Sprintf("receipt:%d", r.ID), covers, nil
 }
 
-// RunControl runs b's positive control once, without protection: the
-// control the adapters file declares, else the latest receipt b reads that
-// settled succeeded from the API's 2xx response (among the ControlScan
-// newest). It returns nil when the adapter found the known effect, and an
-// error (matching readback.ErrControlFailed when the adapter answered
-// wrongly) saying what happened otherwise. For `reconciler adapters check
-// --control`.
+// RunControl runs b's positive controls once, without protection, for
+// every operation b has one for (its operations; for an adapter of a whole
+// dependency, the declared control's operation and those with a receipt
+// among the ControlScan newest that settled succeeded from the API's 2xx
+// response): the present control (the declared one, else the newest such
+// receipt of the operation) and, for a delete adapter, the gone control.
+// It returns nil when all passed, and an error (matching
+// readback.ErrControlFailed when the adapter answered wrongly) saying what
+// happened otherwise. For `reconciler adapters check --control`.
 func RunControl(ctx context.Context, db *pgxpool.Pool, b *readback.Binding) error {
 	if b.Kind == readback.Blind {
 		return fmt.Errorf("adapter %s is blind: it reads nothing, so it has no control", b.Name)
 	}
-	r, source, err := findControl(ctx, db, b, ControlScan)
-	if err != nil {
-		return fmt.Errorf("adapter %s: %w", b.Name, err)
+	ops := b.Operations
+	if len(ops) == 0 {
+		if op := declaredOperation(b); op != "" {
+			ops = append(ops, op)
+		}
+		more, err := controlOperations(ctx, db, b, ControlScan)
+		if err != nil {
+			return err
+		}
+		for _, op := range more {
+			if !slices.Contains(ops, op) {
+				ops = append(ops, op)
+			}
+		}
 	}
-	res, cerr := safeCheck(ctx, b.Adapter, r)
-	if err := readback.EvaluateControl(b, res, cerr); err != nil {
-		return fmt.Errorf("control %s: %w", source, err)
+	if len(ops) == 0 {
+		return fmt.Errorf("adapter %s: no control: none declared for an operation, and none of the %d newest receipts of %s "+
+			"settled succeeded from the API's response", b.Name, ControlScan, b.Dependency)
+	}
+	kinds := []ControlKind{ControlPresent}
+	if b.Kind == readback.Delete {
+		kinds = append(kinds, ControlGone)
+	}
+	var errs []error
+	for _, op := range ops {
+		for _, kind := range kinds {
+			if err := RunControlFor(ctx, db, b, readback.Receipt{Operation: op}, kind); err != nil {
+				errs = append(errs, err)
+			}
+		}
+	}
+	return errors.Join(errs...)
+}
+
+// RunControlFor runs b's control of kind (ControlNeeded of a decision) for
+// receipt r once, without protection, as the pool would before settling r:
+// for r's operation, and for a ledger present-control the receipt closest
+// to r's submission (zero SubmittedAt: the newest). For `reconciler
+// adapters check --receipt`.
+func RunControlFor(ctx context.Context, db *pgxpool.Pool, b *readback.Binding, r readback.Receipt, kind ControlKind) error {
+	if b.Kind == readback.Blind {
+		return fmt.Errorf("adapter %s is blind: it reads nothing, so it has no control", b.Name)
+	}
+	ctl, source, _, err := findControl(ctx, db, b, r.Operation, kind, r.SubmittedAt, ControlScan)
+	if err != nil {
+		return fmt.Errorf("adapter %s, %s control for %s: %w", b.Name, kind, r.Operation, err)
+	}
+	res, cerr := safeCheck(ctx, b.Adapter, ctl)
+	if err := evaluateControl(b, kind, res, cerr); err != nil {
+		return fmt.Errorf("%s control %s for %s: %w", kind, source, r.Operation, err)
 	}
 	return nil
 }
 
-// AdapterHealth reports the positive-control state of every non-blind
-// adapter of the pool's registry, sorted by name. An adapter whose control
-// has not run yet (no absence has needed it) is not OK, with that reason.
+// AdapterHealth reports the positive-control state of the pool's non-blind
+// adapters, sorted by adapter, operation and control: one entry per
+// control that has run, and one entry (not OK, "control not run yet") for
+// an adapter none of whose controls has run yet (no answer has needed one).
 func (p *Pool) AdapterHealth() []AdapterHealth {
 	now := p.cfg.Now()
 	var out []AdapterHealth
+	p.ctl.mu.Lock()
+	byAdapter := map[string][]*controlEntry{}
+	for _, e := range p.ctl.entries {
+		byAdapter[e.key.adapter] = append(byAdapter[e.key.adapter], e)
+	}
 	for _, b := range p.cfg.Registry.Bindings() {
 		if b.Kind == readback.Blind {
 			continue
 		}
-		h := AdapterHealth{Adapter: b.Name, Dependency: b.Dependency, Reason: "control not run yet"}
-		p.ctl.mu.Lock()
-		if e, ok := p.ctl.entries[b.Name]; ok {
-			v := e.verdict(now, p.cfg.ControlValidFor)
-			h.OK, h.Reason, h.LastRun, h.LastPass = v.ok, v.note, e.lastRun, e.lastPass
+		es := byAdapter[b.Name]
+		if len(es) == 0 {
+			out = append(out, AdapterHealth{Adapter: b.Name, Dependency: b.Dependency, Reason: "control not run yet"})
+			continue
 		}
-		p.ctl.mu.Unlock()
-		out = append(out, h)
+		for _, e := range es {
+			v := e.verdict(now, p.cfg.ControlValidFor)
+			out = append(out, AdapterHealth{Adapter: b.Name, Dependency: b.Dependency, Operation: e.key.operation,
+				Control: e.key.kind, OK: v.ok, Reason: v.note, LastRun: e.lastRun, LastPass: e.lastPass})
+		}
 	}
-	sort.Slice(out, func(i, j int) bool { return out[i].Adapter < out[j].Adapter })
+	p.ctl.mu.Unlock()
+	sort.Slice(out, func(i, j int) bool {
+		a, b := out[i], out[j]
+		if a.Adapter != b.Adapter {
+			return a.Adapter < b.Adapter
+		}
+		if a.Operation != b.Operation {
+			return a.Operation < b.Operation
+		}
+		return a.Control < b.Control
+	})
 	return out
 }

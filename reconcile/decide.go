@@ -87,7 +87,7 @@ type controlVerdict struct {
 
 // controlAssumed is the verdict of Decide, which has no pool and so no
 // record of controls: it explains the settlement rules as if the adapter's
-// control had passed (NeedsControl says when that matters).
+// control had passed (ControlNeeded says when that matters).
 var controlAssumed = controlVerdict{ok: true, note: "assumed passed (no control state)"}
 
 // decider turns one check into an outcome. It is a pure function of its
@@ -156,25 +156,57 @@ func (d decider) evidence(now time.Time, c Claimed, b *readback.Binding, checks 
 // and changes nothing. `reconciler adapters check` uses it to explain a
 // decision with the very rules the pool applies.
 //
-// Decide has no record of the adapter's positive control: it decides as if
-// the control had passed. The pool settles an outcome for which
-// NeedsControl is true only while the adapter's control has passed
-// recently; otherwise the receipt waits.
+// Decide has no record of the adapter's positive controls: it decides as if
+// they had passed. The pool settles an outcome for which ControlNeeded is
+// not empty only while that control of the adapter, for the receipt's
+// operation, has passed recently; otherwise the receipt waits.
 func Decide(now time.Time, r readback.Receipt, b *readback.Binding, res readback.Result, checkErr error) Outcome {
 	return decider{}.decide(now, now, Claimed{Receipt: r}, b, res, checkErr, 0, controlAssumed)
 }
 
-// NeedsControl reports whether o rests on an absence (safe_to_retry, or a
-// delete's succeeded from an absent answer): such an outcome stands only
-// if the adapter's positive control has passed recently (SPEC §5a), since a
-// wrong path, filter or marker reads exactly like "absent".
-func NeedsControl(o Outcome) bool {
-	switch o.Detail.Reason {
-	case ReasonAbsentAfterWindow, ReasonPresentAfterDelay, ReasonDeleted:
-		return o.Settles()
+// ControlKind names a positive control (SPEC §5a), kept per adapter and
+// operation.
+type ControlKind string
+
+// The positive controls.
+const (
+	// ControlPresent: an effect known to exist (a declared control, or a
+	// receipt of the operation that settled succeeded from the API's 2xx
+	// response) reads present. It shows the adapter's ABSENT is real: it
+	// gates a create's or update's safe_to_retry and a delete's succeeded.
+	ControlPresent ControlKind = "present"
+	// ControlGone: the newest receipt of the same delete operation that
+	// settled succeeded from the API's 2xx response (its resource is gone)
+	// reads absent, authoritatively. It shows a delete adapter's PRESENT is
+	// real: it gates a delete's safe_to_retry ("still present after the
+	// window"), which an adapter answering present for everything would
+	// otherwise settle.
+	ControlGone ControlKind = "gone"
+)
+
+// ControlNeeded returns the positive control the settlement o rests on, or
+// "" when o needs none (a present answer of a create or update, a manual
+// review, a release). An absence (safe_to_retry of a create or update, a
+// delete's succeeded) needs ControlPresent; a delete's safe_to_retry from a
+// present answer needs ControlGone. Such an outcome stands only while that
+// control of the adapter, for o's operation, has passed recently.
+func ControlNeeded(o Outcome) ControlKind {
+	if !o.Settles() {
+		return ""
 	}
-	return false
+	switch o.Detail.Reason {
+	case ReasonAbsentAfterWindow, ReasonDeleted:
+		return ControlPresent
+	case ReasonPresentAfterDelay:
+		return ControlGone
+	}
+	return ""
 }
+
+// NeedsControl reports whether o rests on an answer that a misconfigured
+// adapter could give for everything (an absence, or a delete's "still
+// present"): ControlNeeded(o) says which control it needs.
+func NeedsControl(o Outcome) bool { return ControlNeeded(o) != "" }
 
 // decide applies the settlement rules to one check of c whose read began
 // at readAt and whose answer arrived at answeredAt (both on the database's

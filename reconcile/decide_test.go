@@ -209,3 +209,45 @@ func TestDecideTimeAndControl(t *testing.T) {
 		})
 	}
 }
+
+// Issue 7, adversarial review: each settlement names the control it needs:
+// an absence (a create's or update's safe_to_retry, a delete's succeeded)
+// needs "present"; a delete's "still present after the window" needs
+// "gone"; a presence, a release or a manual review needs none.
+func TestControlNeeded(t *testing.T) {
+	submitted := time.Date(2026, 1, 1, 12, 0, 0, 0, time.UTC)
+	p := readback.Policy{ConsistencyWindow: 4 * time.Second, MaxRequestLifetime: 6 * time.Second,
+		MaxChecks: 5, Deadline: time.Hour, BackoffBase: time.Second, BackoffCap: time.Minute}
+	r := readback.Receipt{ID: 1, SubmittedAt: submitted, UnknownSince: submitted}
+	late := submitted.Add(time.Minute)
+	early := submitted.Add(time.Second)
+	absent := readback.Result{Verdict: readback.VerdictAbsent, Authoritative: true}
+	present := readback.Result{Verdict: readback.VerdictPresent, Authoritative: true, ExternalIDs: []string{"x"}}
+	for _, tt := range []struct {
+		name string
+		kind readback.Kind
+		at   time.Time
+		res  readback.Result
+		want ControlKind
+	}{
+		{"create absent after the window", readback.Create, late, absent, ControlPresent},
+		{"update absent after the window", readback.Update, late, absent, ControlPresent},
+		{"delete absent", readback.Delete, early, absent, ControlPresent},
+		{"delete still present after the window", readback.Delete, late, present, ControlGone},
+		{"delete present inside the window", readback.Delete, early, present, ""},
+		{"create present", readback.Create, late, present, ""},
+		{"create absent inside the window", readback.Create, early, absent, ""},
+		{"update diverged", readback.Update, late, readback.Result{Verdict: readback.VerdictDiverged}, ""},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			b := &readback.Binding{Name: "a", Kind: tt.kind, Dependency: "d", Policy: p}
+			out := Decide(tt.at, r, b, tt.res, nil)
+			if got := ControlNeeded(out); got != tt.want {
+				t.Fatalf("ControlNeeded = %q, want %q (outcome %s %s)", got, tt.want, out.To, out.Detail.Reason)
+			}
+			if NeedsControl(out) != (tt.want != "") {
+				t.Fatal("NeedsControl disagrees with ControlNeeded")
+			}
+		})
+	}
+}

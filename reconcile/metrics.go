@@ -25,8 +25,9 @@ type Metrics struct {
 	DBErrors      prometheus.Counter
 	// ClockSkew is the host's wall clock minus the database's.
 	ClockSkew prometheus.Gauge
-	// ControlOK is 1 while an adapter's positive control holds, else 0.
-	ControlOK *prometheus.GaugeVec // adapter
+	// ControlOK is 1 while a positive control of an adapter holds for an
+	// operation, else 0. control is "present" or "gone" (ControlKind).
+	ControlOK *prometheus.GaugeVec // adapter, operation, control
 }
 
 // NewMetrics creates the metrics and registers them with reg (a fresh
@@ -100,8 +101,8 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 		}),
 		ControlOK: prometheus.NewGaugeVec(prometheus.GaugeOpts{
 			Name: "reconciler_adapter_control_ok",
-			Help: "1 while the adapter's positive control passed recently (its absences may settle receipts), 0 when it failed or has none.",
-		}, []string{"adapter"}),
+			Help: "1 while the adapter's positive control (control: present, which gates absences; gone, which gates a delete's still-present) passed recently for the operation, 0 when it failed or has none.",
+		}, []string{"adapter", "operation", "control"}),
 	}
 	if reg != nil {
 		reg.MustRegister(m.Settlements, m.Checks, m.CheckLatency, m.Failures, m.Deferrals,

@@ -607,10 +607,11 @@ func (s *session) process(c Claimed) Outcome {
 	pass.Exit(result, retryAfter)
 	answeredAt := cfg.Now()
 	out := p.dec.decide(readAt, answeredAt, c, b, res, cerr, latency, controlAssumed)
-	if NeedsControl(out) {
-		// The answer would settle on an absence: only if the adapter's
-		// positive control has passed recently.
-		out = p.dec.decide(readAt, answeredAt, c, b, res, cerr, latency, s.control(b))
+	if kind := ControlNeeded(out); kind != "" {
+		// The answer would settle on an answer a misconfigured adapter
+		// gives for everything: only if the adapter's positive control of
+		// that kind, for this receipt's operation, has passed recently.
+		out = p.dec.decide(readAt, answeredAt, c, b, res, cerr, latency, s.control(b, c.Receipt, kind))
 	}
 	if p.m != nil {
 		outcome := string(res.Verdict)

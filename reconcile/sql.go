@@ -164,25 +164,46 @@ RETURNING r.id, r.dependency`
 // timeout, $2 lock timeout (milliseconds, as text).
 const sqlSweepLimits = `SELECT set_config('statement_timeout', $1, true), set_config('lock_timeout', $2, true)`
 
-// sqlControlReceipt finds the positive control a binding's absences need
-// when the adapters file declares none (SPEC §5a): the latest receipt of
-// the binding's dependency ($1) and operations ($2; empty: any) that
+// sqlControlReceipt finds a ledger-drawn positive control (SPEC §5a): a
+// receipt of dependency $1 and operation $2 (the operation of the receipt
+// being settled: a control vouches only for its own operation) that
 // settled succeeded from the API's own 2xx response (the agent's settle
-// records evidence {"source": "http_response"}). It walks the primary key
-// backwards over at most $3 of the newest receipts, so its cost is bounded
-// whatever the table's size, and needs no index of its own (an index every
-// receipt move would pay for, for a query run every few minutes).
+// records evidence {"source": "http_response"}).
+//
+// With $4 NULL it is the newest such receipt. With $4 the submission time
+// of the receipt being settled, it is the newest submitted no later than
+// $4, else the oldest submitted after it: the control closest to that
+// receipt, so a read that misses the receipt (a list read newest first and
+// cut short) misses its control too and fails it.
+//
+// It walks the primary key backwards over at most $3 of the newest
+// receipts, so its cost is bounded whatever the table's size, and needs no
+// index of its own (an index every receipt move would pay for, for a query
+// run every few minutes); the sort is over those rows at most.
 const sqlControlReceipt = `
 SELECT r.id, r.idempotency_key, r.operation, r.dependency, r.method, r.target, r.fingerprint,
        r.intent, r.pre_image, coalesce(r.external_id, ''), r.attempt, r.created_at,
-       coalesce(r.submitted_at, r.created_at),
-       coalesce(r.submitted_at, r.created_at) + r.max_send_delay,
+       r.sub, r.sub + r.max_send_delay,
        coalesce(r.unknown_since, r.submitted_at, r.created_at)
-FROM (SELECT * FROM reconciler.receipts ORDER BY id DESC LIMIT $3) r
-WHERE r.dependency = $1 AND (cardinality($2::text[]) = 0 OR r.operation = ANY ($2::text[]))
+FROM (SELECT *, coalesce(submitted_at, created_at) AS sub
+      FROM reconciler.receipts ORDER BY id DESC LIMIT $3) r
+WHERE r.dependency = $1 AND r.operation = $2
   AND r.state = 'succeeded' AND r.state_detail -> 'evidence' ->> 'source' = 'http_response'
-ORDER BY r.id DESC
+ORDER BY ($4::timestamptz IS NULL OR r.sub <= $4) DESC,
+         CASE WHEN $4::timestamptz IS NULL OR r.sub <= $4 THEN r.sub END DESC NULLS LAST,
+         r.sub, r.id DESC
 LIMIT 1`
+
+// sqlControlOperations lists the operations of dependency $1 with a
+// receipt, among the $2 newest, that settled succeeded from the API's 2xx
+// response: the operations a dependency-wide adapter has ledger controls
+// for (`reconciler adapters check --control`).
+const sqlControlOperations = `
+SELECT DISTINCT r.operation
+FROM (SELECT * FROM reconciler.receipts ORDER BY id DESC LIMIT $2) r
+WHERE r.dependency = $1
+  AND r.state = 'succeeded' AND r.state_detail -> 'evidence' ->> 'source' = 'http_response'
+ORDER BY 1`
 
 // sqlBacklogDue counts the rows awaiting settlement from the partial index
 // receipts_due, and the age of the oldest (from submission). $1 now.

@@ -383,24 +383,29 @@ func (s *Store) Backlog(ctx context.Context, now time.Time, stalePlanned, orphan
 // by default.
 const ControlScan = 10000
 
-// ControlReceipt returns the latest receipt, among the scan newest (default
-// ControlScan), of b's dependency and operations (any operation of the
-// dependency when b names none) that settled succeeded from the API's own
-// 2xx response: an effect known to exist, for b's positive control. ok is
-// false when there is none.
-func (s *Store) ControlReceipt(ctx context.Context, b *readback.Binding, scan int) (r readback.Receipt, ok bool, err error) {
-	return controlReceipt(ctx, s.pool, b, scan)
+// ControlReceipt returns a receipt of b's dependency and of operation op,
+// among the scan newest (default ControlScan), that settled succeeded from
+// the API's own 2xx response: an effect known to exist, for b's positive
+// control of op. With before zero it is the newest such receipt; otherwise
+// the newest submitted no later than before, else the oldest submitted
+// after (the one closest to a receipt submitted at before). ok is false
+// when there is none.
+func (s *Store) ControlReceipt(ctx context.Context, b *readback.Binding, op string, before time.Time, scan int) (r readback.Receipt, ok bool, err error) {
+	return controlReceipt(ctx, s.pool, b, op, before, scan)
 }
 
-func controlReceipt(ctx context.Context, db *pgxpool.Pool, b *readback.Binding, scan int) (r readback.Receipt, ok bool, err error) {
+func controlReceipt(ctx context.Context, db *pgxpool.Pool, b *readback.Binding, op string, before time.Time, scan int) (r readback.Receipt, ok bool, err error) {
+	if db == nil {
+		return readback.Receipt{}, false, fmt.Errorf("reconcile: find a control receipt for adapter %s: no database", b.Name)
+	}
 	if scan <= 0 {
 		scan = ControlScan
 	}
-	ops := b.Operations
-	if ops == nil {
-		ops = []string{}
+	var at any
+	if !before.IsZero() {
+		at = before
 	}
-	err = db.QueryRow(ctx, sqlControlReceipt, b.Dependency, ops, scan).Scan(
+	err = db.QueryRow(ctx, sqlControlReceipt, b.Dependency, op, scan, at).Scan(
 		&r.ID, &r.IdempotencyKey, &r.Operation, &r.Dependency, &r.Method, &r.Target,
 		&r.Fingerprint, &r.Intent, &r.PreImage, &r.ExternalID, &r.Attempt, &r.CreatedAt,
 		&r.SubmittedAt, &r.SendDeadline, &r.UnknownSince)
@@ -408,7 +413,24 @@ func controlReceipt(ctx context.Context, db *pgxpool.Pool, b *readback.Binding, 
 		return readback.Receipt{}, false, nil
 	}
 	if err != nil {
-		return readback.Receipt{}, false, fmt.Errorf("reconcile: find a control receipt for adapter %s: %w", b.Name, err)
+		return readback.Receipt{}, false, fmt.Errorf("reconcile: find a control receipt for adapter %s, operation %s: %w", b.Name, op, err)
 	}
 	return r, true, nil
+}
+
+// controlOperations returns the operations of b's dependency that have a
+// ledger control among the scan newest receipts.
+func controlOperations(ctx context.Context, db *pgxpool.Pool, b *readback.Binding, scan int) ([]string, error) {
+	if db == nil {
+		return nil, nil
+	}
+	rows, err := db.Query(ctx, sqlControlOperations, b.Dependency, scan)
+	if err != nil {
+		return nil, fmt.Errorf("reconcile: list the operations of adapter %s: %w", b.Name, err)
+	}
+	ops, err := pgx.CollectRows(rows, pgx.RowTo[string])
+	if err != nil {
+		return nil, fmt.Errorf("reconcile: list the operations of adapter %s: %w", b.Name, err)
+	}
+	return ops, nil
 }
