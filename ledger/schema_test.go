@@ -908,10 +908,46 @@ func lateSettled(t *testing.T, pool *pgxpool.Pool, key string, n int, atReconcil
 
 func recordLate(t *testing.T, q querier, id int64, outcome string) {
 	t.Helper()
+	recordLateStatus(t, q, id, outcome, 502)
+}
+
+// recordLateStatus records a late outcome with the HTTP status the agent
+// saw; 0 records none (a client-side timeout or reset).
+func recordLateStatus(t *testing.T, q querier, id int64, outcome string, status int) {
+	t.Helper()
+	var st *int
+	if status != 0 {
+		st = &status
+	}
 	if _, err := q.Exec(context.Background(), `SELECT reconciler.record_late_outcome(receipt_id => $1,
-		actor => 'agent:a', outcome => $2, http_status => 502)`, id, outcome); err != nil {
+		actor => 'agent:a', outcome => $2, http_status => $3)`, id, outcome, st); err != nil {
 		t.Fatalf("late %s of receipt %d: %v", outcome, id, err)
 	}
+}
+
+// A late outcome_unknown without an HTTP status (the agent's own timeout)
+// recorded while the reconciler was still reading back does not refuse the
+// retry: the window the settlement waited out already covers a request the
+// client gave up on. The same timeout recorded after the settlement does:
+// the call was still alive past the window.
+func TestLateClientTimeoutBeforeSettlementAllowsRetry(t *testing.T) {
+	pool := pgtest.NewPool(t)
+	ctx := context.Background()
+	before := mustPlan(t, pool, planArgs{key: "late-timeout-before", fp: fpOf(301)})
+	mustMove(t, pool, before, "agent:a", "submitted")
+	mustMove(t, pool, before, "reconciler:r1", "outcome_unknown", "reconciling")
+	recordLateStatus(t, pool, before, "outcome_unknown", 0)
+	mustMove(t, pool, before, "reconciler:r1", "safe_to_retry")
+	if _, err := planSQL(ctx, pool, planArgs{key: "late-timeout-before#2", fp: fpOf(301), retryOf: before}); err != nil {
+		t.Errorf("retry after a client timeout recorded before the settlement: %v", err)
+	}
+
+	after := mustPlan(t, pool, planArgs{key: "late-timeout-after", fp: fpOf(302)})
+	mustMove(t, pool, after, "agent:a", "submitted")
+	mustMove(t, pool, after, "reconciler:r1", "outcome_unknown", "reconciling", "safe_to_retry")
+	recordLateStatus(t, pool, after, "outcome_unknown", 0)
+	_, err := planSQL(ctx, pool, planArgs{key: "late-timeout-after#2", fp: fpOf(302), retryOf: after})
+	checkRefusal(t, "retry after a client timeout recorded after the settlement", err, true, "still alive")
 }
 
 // Issue 7, adversarial review: a late outcome 'succeeded' (the effect

@@ -86,11 +86,19 @@ BEGIN
         RETURN format('receipt %s is %s, neither safe_to_retry nor a retryable rejection: it cannot be retried',
                       prev.id, prev.state);
     END IF;
-    -- The late outcome that refuses, a success first. (PL/pgSQL, not SQL:
-    -- the query's plan is kept for the session, which a retry's submission,
-    -- running this on every retry, would otherwise pay for each time.)
+    -- The late outcome that refuses, a success first. A late
+    -- outcome_unknown refuses when the server or a gateway answered (an HTTP
+    -- status: the request was still alive on their side), or when it came
+    -- after the settlement; a client-side timeout recorded while the
+    -- reconciler was still reading back says nothing the window did not
+    -- already cover. (PL/pgSQL, not SQL: the query's plan is kept for the
+    -- session, which a retry's submission, running this on every retry,
+    -- would otherwise pay for each time.)
     SELECT * INTO l FROM reconciler.late_outcomes x
-    WHERE x.receipt_id = prev.id AND x.outcome IN ('succeeded', 'outcome_unknown')
+    WHERE x.receipt_id = prev.id
+      AND (x.outcome = 'succeeded'
+           OR x.outcome = 'outcome_unknown'
+              AND (x.http_status IS NOT NULL OR prev.state = 'safe_to_retry' AND x.at >= prev.updated_at))
     ORDER BY x.outcome = 'succeeded' DESC, x.id LIMIT 1;
     IF NOT FOUND THEN
         RETURN NULL;

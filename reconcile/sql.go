@@ -121,10 +121,14 @@ WITH u AS (
                                 $18::text[], $19::text[], $20::jsonb[])
         AS x(receipt_id, check_no, at, adapter, dependency, verdict, authoritative, matches,
              latency_us, error_class, error, evidence)
+    -- OFFSET 0 keeps the test a per-row probe of readback_checks' primary
+    -- key: under the OR the planner cannot make it a join, and would
+    -- otherwise hash the whole table while it is small (docs/explain.md).
     WHERE NOT $28::bool OR NOT EXISTS (
         SELECT 1 FROM reconciler.readback_checks k
         WHERE k.receipt_id = x.receipt_id AND k.check_no = x.check_no AND k.at = x.at
-          AND k.instance = $21)
+          AND k.instance = $21
+        OFFSET 0)
 ), d AS (
     INSERT INTO reconciler.duplicate_alarms
         (receipt_id, detected_at, adapter, dependency, external_ids, instance)
