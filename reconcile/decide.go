@@ -203,11 +203,6 @@ func ControlNeeded(o Outcome) ControlKind {
 	return ""
 }
 
-// NeedsControl reports whether o rests on an answer that a misconfigured
-// adapter could give for everything (an absence, or a delete's "still
-// present"): ControlNeeded(o) says which control it needs.
-func NeedsControl(o Outcome) bool { return ControlNeeded(o) != "" }
-
 // decide applies the settlement rules to one check of c whose read began
 // at readAt and whose answer arrived at answeredAt (both on the database's
 // clock). Every judgement of time (window, bounds, evidence) uses readAt: a

@@ -316,15 +316,17 @@ func explain(ctx context.Context, w io.Writer, db *pgxpool.Pool, reg *readback.R
 		}
 	}
 	d := decision(b, r, res, nil, now)
-	if o := reconcile.Decide(now, r, b, res, nil); reconcile.NeedsControl(o) {
+	// The control the pool would need for this outcome, drawn for this
+	// receipt as the pool would draw it.
+	if kind := reconcile.ControlNeeded(reconcile.Decide(now, r, b, res, nil)); kind != "" {
 		cctx, cancel := context.WithTimeout(ctx, timeout)
-		cerr := reconcile.RunControl(cctx, db, b)
+		cerr := reconcile.RunControlFor(cctx, db, b, r, kind)
 		cancel()
 		if cerr != nil {
-			d = fmt.Sprintf("check again later, not %s: this rests on an absence, and the adapter's positive control "+
-				"has not passed (%v)", d, cerr)
+			d = fmt.Sprintf("check again later, not %s: this rests on the adapter's answer, and its %s control "+
+				"has not passed (%v)", d, kind, cerr)
 		} else {
-			d += "; the adapter's positive control passed"
+			d += fmt.Sprintf("; the adapter's %s control passed", kind)
 		}
 	}
 	fmt.Fprintf(w, "decision: %s\n", d)
