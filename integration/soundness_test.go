@@ -574,3 +574,48 @@ func TestOrphanSweepIsBounded(t *testing.T) {
 		t.Fatal("the sweep waited on the lock: claiming would stop as long as it is held")
 	}
 }
+
+// A ledger control vouches for receipts submitted at or after it; a receipt
+// submitted before the control that passed draws an older control (here
+// the fallback, the oldest after it) and has it run at once, in the same
+// pass. It used to wait for Config.ControlRetry while its checks ran on,
+// and a tight check budget sent a receipt whose effect was absent to
+// manual_review (seen in the demo).
+func TestOlderReceiptRunsItsControlAtOnce(t *testing.T) {
+	ctx := context.Background()
+	db := pgtest.NewPool(t)
+	clk := newClock()
+	api := newFakeAPI(t, clk.Now, 0)
+	older := seed(t, db, 1, "things.create", "fake-api", "submitted")[0]
+	ctl := seed(t, db, 1, "things.create", "fake-api", "submitted")[0]
+	if _, err := db.Exec(ctx, `UPDATE reconciler.receipts SET state = 'succeeded', state_actor = 'agent:test',
+		external_id = 'thing-ctl', state_detail = '{"evidence": {"source": "http_response", "http_status": 201}}'
+		WHERE id = $1`, ctl); err != nil {
+		t.Fatal(err)
+	}
+	api.Create(idempotencyKey(t, db, ctl), "thing-ctl")
+	newer := seed(t, db, 1, "things.create", "fake-api", "outcome_unknown")[0]
+	// The older receipt becomes unknown last, so it is claimed (and
+	// checked, with one worker) after the newer one has run the control.
+	if _, err := db.Exec(ctx, `UPDATE reconciler.receipts SET state = 'outcome_unknown', state_actor = 'agent:test'
+		WHERE id = $1`, older); err != nil {
+		t.Fatal(err)
+	}
+	p := shortPolicy()
+	p.MaxChecks = 2
+	reg := readback.NewRegistry()
+	if err := reg.Register(readback.Binding{Name: "fake-search", Kind: readback.Create, Dependency: "fake-api",
+		Adapter: searchAdapter{base: api.srv.URL, client: api.srv.Client()}, Policy: p}); err != nil {
+		t.Fatal(err)
+	}
+	pool := newPool(t, db, reconcile.Config{Registry: reg, Now: clk.Now, Workers: 1, OrphanTimeout: -1})
+	clk.Advance(time.Minute) // well after the window; less than nothing between the two checks
+	if _, err := pool.Drain(ctx); err != nil {
+		t.Fatal(err)
+	}
+	for _, id := range []int64{newer, older} {
+		if got := receipt(t, db, id); got.State != "safe_to_retry" {
+			t.Errorf("receipt %d: %s after one pass, want safe_to_retry (its control runs at once)", id, got.State)
+		}
+	}
+}

@@ -47,9 +47,13 @@ import (
 // older one finds too (a list read newest first and cut short misses the
 // oldest first). Drawn as the fallback (no control submitted by T: Tc >
 // T), it vouches for every receipt: an older one would draw the same. A
-// receipt submitted before Tc runs the control again, drawn for it, at
-// most once per Config.ControlRetry, and waits meanwhile. Declared and gone controls do
-// not depend on the receipt and vouch for all receipts of their operation.
+// receipt submitted before Tc runs the control again at once, drawn for
+// it, while the last run passed (after a failure, runs wait for
+// Config.ControlRetry). Declared and gone controls do not depend on the
+// receipt and vouch for all receipts of their operation. (The argument is
+// for lists read newest first; a list read oldest first and cut short is
+// caught by the pagination rules of the adapter, which refuse authority to
+// a read that may not have reached the end.)
 //
 // Controls run lazily: only when an answer would otherwise settle a receipt
 // and the control's last run is older than Config.ControlInterval; after a
@@ -181,9 +185,13 @@ func (s *session) control(b *readback.Binding, r readback.Receipt, kind ControlK
 	}
 	if !e.lastRun.IsZero() && now.Sub(e.lastRun) < every {
 		v := e.verdictFor(now, cfg.ControlValidFor, r.SubmittedAt)
-		// A pass that does not reach back to r runs again, drawn for r,
-		// at most once per ControlRetry.
-		extend := !v.ok && e.verdict(now, cfg.ControlValidFor).ok && now.Sub(e.lastRun) >= cfg.ControlRetry
+		// A pass that does not reach back to r runs again at once, drawn
+		// for r: the adapter is healthy, r only needs an older control,
+		// and its check would otherwise wait for nothing (and spend its
+		// check budget waiting). Each such run moves the pass back to an
+		// older control, so their number is bounded by the controls older
+		// than the newest pass.
+		extend := !v.ok && e.verdict(now, cfg.ControlValidFor).ok
 		if !extend {
 			cs.mu.Unlock()
 			return v
