@@ -5,9 +5,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
-	"io"
 	"strings"
-	"text/tabwriter"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -60,11 +58,11 @@ func adaptersCheckAction(c *cli.Context) error {
 	if err := printDependencyLimits(&limits, path, reg); err != nil {
 		return cli.Exit(fmt.Sprintf("adapters check: %v", err), 1)
 	}
-	out := c.App.Writer
+	out := newScreen(c.App.Writer)
 	bindings := reg.Bindings()
-	fmt.Fprintf(out, "%s: valid, %d adapter(s)\n", path, len(bindings))
+	out.Printf("%s: valid, %d adapter(s)\n", path, len(bindings))
 	printBindings(out, bindings)
-	fmt.Fprint(out, limits.String())
+	_, _ = out.Write([]byte(limits.String())) // laid out by printDependencyLimits; the guard applies
 	url := c.String("database-url")
 	if c.IsSet("receipt") && url == "" {
 		return cli.Exit("adapters check: --receipt needs --database-url (or RECONCILER_DATABASE_URL)", 2)
@@ -118,17 +116,17 @@ const noControl = "no declared control: the reconciler uses receipts of the same
 // outcome per adapter: the declared control, else, given the ledger (db not
 // nil), the latest receipt it reads that settled succeeded from a 2xx
 // response, as the reconciler would. It returns how many controls failed.
-func runControls(ctx context.Context, w io.Writer, db *pgxpool.Pool, bs []readback.Binding, timeout time.Duration) int {
-	fmt.Fprintln(w, "\npositive controls:")
+func runControls(ctx context.Context, w *screen, db *pgxpool.Pool, bs []readback.Binding, timeout time.Duration) int {
+	w.Printf("\npositive controls:\n")
 	failed := 0
 	for i := range bs {
 		b := &bs[i]
 		switch {
 		case b.Kind == readback.Blind:
-			fmt.Fprintf(w, "  %s: blind: nothing is read back, no control applies\n", b.Name)
+			w.Printf("  %s: blind: nothing is read back, no control applies\n", b.Name)
 			continue
 		case b.Control == nil && db == nil:
-			fmt.Fprintf(w, "  %s: %s (give --database-url to run that one)\n", b.Name, noControl)
+			w.Printf("  %s: %s (give --database-url to run that one)\n", b.Name, noControl)
 			continue
 		case b.Control == nil:
 			cctx, cancel := context.WithTimeout(ctx, timeout)
@@ -136,10 +134,10 @@ func runControls(ctx context.Context, w io.Writer, db *pgxpool.Pool, bs []readba
 			cancel()
 			if err != nil {
 				failed++
-				fmt.Fprintf(w, "  %s: failed: %v\n    until a control passes, no absence this adapter reads settles anything\n", b.Name, err)
+				w.Printf("  %s: failed: %v\n    until a control passes, no absence this adapter reads settles anything\n", b.Name, err)
 				continue
 			}
-			fmt.Fprintf(w, "  %s: passed: found a receipt of the ledger that settled succeeded from a 2xx response\n", b.Name)
+			w.Printf("  %s: passed: found a receipt of the ledger that settled succeeded from a 2xx response\n", b.Name)
 			continue
 		}
 		r := b.Control.Receipt
@@ -148,18 +146,18 @@ func runControls(ctx context.Context, w io.Writer, db *pgxpool.Pool, bs []readba
 		cancel()
 		if cerr := readback.EvaluateControl(b, res, err); cerr != nil {
 			failed++
-			fmt.Fprintf(w, "  %s: failed: %v\n    the declared resource: key %q, target %s, made at %s\n",
+			w.Printf("  %s: failed: %v\n    the declared resource: key %q, target %s, made at %s\n",
 				b.Name, cerr, r.IdempotencyKey, r.Target, r.SubmittedAt.UTC().Format(time.RFC3339))
 			if err == nil && res.Evidence != nil {
 				if j, jerr := json.Marshal(res.Evidence); jerr == nil {
-					fmt.Fprintf(w, "    evidence: %s\n", j)
+					w.Printf("    evidence: %s\n", j)
 				}
 			}
-			fmt.Fprint(w, "    a correct configuration finds it: check base_url, the path, the filters and the marker; "+
+			w.Printf("    a correct configuration finds it: check base_url, the path, the filters and the marker; " +
 				"until a control passes, no absence this adapter reads settles anything safe_to_retry\n")
 			continue
 		}
-		fmt.Fprintf(w, "  %s: passed: found %s (query %s)\n", b.Name, strings.Join(res.ExternalIDs, ", "), res.Query)
+		w.Printf("  %s: passed: found %s (query %s)\n", b.Name, strings.Join(res.ExternalIDs, ", "), res.Query)
 	}
 	return failed
 }
@@ -172,21 +170,21 @@ type settlement struct {
 }
 
 // printSettled says that r is settled instead of deciding anything.
-func printSettled(w io.Writer, r readback.Receipt, state string, s *settlement) {
-	fmt.Fprintf(w, "\nreceipt %d: %s on %s is already settled: %s at %s by %s",
+func printSettled(w *screen, r readback.Receipt, state string, s *settlement) {
+	w.Printf("\nreceipt %d: %s on %s is already settled: %s at %s by %s",
 		r.ID, r.Operation, r.Dependency, state, s.at.UTC().Format(time.RFC3339), s.actor)
 	if s.reason != "" {
-		fmt.Fprintf(w, " (%s)", s.reason)
+		w.Printf(" (%s)", s.reason)
 	}
 	if r.ExternalID != "" {
-		fmt.Fprintf(w, ", external id %s", r.ExternalID)
+		w.Printf(", external id %s", r.ExternalID)
 	}
-	fmt.Fprintln(w, "\nnothing to decide: only a receipt whose outcome is unknown is read back; no readback was run and nothing was changed")
+	w.Printf("\nnothing to decide: only a receipt whose outcome is unknown is read back; no readback was run and nothing was changed\n")
 }
 
-func printBindings(w io.Writer, bs []readback.Binding) {
-	tw := tabwriter.NewWriter(w, 2, 4, 2, ' ', 0)
-	fmt.Fprintln(tw, "NAME\tTYPE\tKIND\tDEPENDENCY\tOPERATIONS\tABSENCE CONCLUSIVE AT SEND DEADLINE +\tCONTROL")
+func printBindings(w *screen, bs []readback.Binding) {
+	tw := w.Table()
+	tw.Printf("NAME\tTYPE\tKIND\tDEPENDENCY\tOPERATIONS\tABSENCE CONCLUSIVE AT SEND DEADLINE +\tCONTROL\n")
 	for _, b := range bs {
 		ops := strings.Join(b.Operations, ",")
 		if ops == "" {
@@ -216,13 +214,13 @@ func printBindings(w io.Writer, bs []readback.Binding) {
 		default:
 			control = "succeeded receipts only"
 		}
-		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%s\t%s\n", b.Name, b.Type, b.Kind, b.Dependency, ops, after, control)
+		tw.Printf("%s\t%s\t%s\t%s\t%s\t%s\t%s\n", b.Name, b.Type, b.Kind, b.Dependency, ops, after, control)
 	}
 	_ = tw.Flush()
 	for _, b := range bs {
 		if a, ok := b.Adapter.(*httpadapter.Adapter); ok {
 			if note := a.AbsenceNote(); note != "" {
-				fmt.Fprintf(w, "%s: %s\n", b.Name, note)
+				w.Printf("%s: %s\n", b.Name, note)
 			}
 		}
 	}
@@ -272,7 +270,7 @@ func loadReceipt(ctx context.Context, db *pgxpool.Pool, id int64) (readback.Rece
 
 // explain runs one check of r and prints the answer and what the
 // reconciler would decide now, following the rules of package reconcile.
-func explain(ctx context.Context, w io.Writer, db *pgxpool.Pool, reg *readback.Registry, r readback.Receipt, state string,
+func explain(ctx context.Context, w *screen, db *pgxpool.Pool, reg *readback.Registry, r readback.Receipt, state string,
 	timeout time.Duration) error {
 	// The read's time is the database's (SPEC §5a), taken before the read
 	// begins: never this host's clock, never the time the answer arrives.
@@ -280,16 +278,16 @@ func explain(ctx context.Context, w io.Writer, db *pgxpool.Pool, reg *readback.R
 	if err := db.QueryRow(ctx, `SELECT clock_timestamp()`).Scan(&now); err != nil {
 		return cli.Exit(fmt.Sprintf("adapters check: database clock: %v", err), 1)
 	}
-	fmt.Fprintf(w, "\nreceipt %d: %s on %s, state %s, submitted %s ago, %d check(s) so far\n",
+	w.Printf("\nreceipt %d: %s on %s, state %s, submitted %s ago, %d check(s) so far\n",
 		r.ID, r.Operation, r.Dependency, state, now.Sub(r.SubmittedAt).Round(time.Second), r.Checks)
 	b, ok := reg.Lookup(r.Operation, r.Dependency)
 	if !ok {
-		fmt.Fprintln(w, "adapter: none\ndecision: manual_review (no_adapter): no adapter reads this operation or dependency")
+		w.Printf("adapter: none\ndecision: manual_review (no_adapter): no adapter reads this operation or dependency\n")
 		return nil
 	}
-	fmt.Fprintf(w, "adapter: %s (type %s, kind %s)\n", b.Name, b.Type, b.Kind)
+	w.Printf("adapter: %s (type %s, kind %s)\n", b.Name, b.Type, b.Kind)
 	if b.Kind == readback.Blind {
-		fmt.Fprintln(w, "decision: manual_review (blind): the endpoint cannot be read back")
+		w.Printf("decision: manual_review (blind): the endpoint cannot be read back\n")
 		return nil
 	}
 	cctx, cancel := context.WithTimeout(ctx, timeout)
@@ -297,22 +295,22 @@ func explain(ctx context.Context, w io.Writer, db *pgxpool.Pool, reg *readback.R
 	cancel()
 	if err != nil {
 		class, _ := readback.Classify(err)
-		fmt.Fprintf(w, "error: %s: %v\n", class, err)
-		fmt.Fprintf(w, "decision: %s\n", decision(b, r, res, err, now))
-		fmt.Fprintln(w, "nothing was changed")
+		w.Printf("error: %s: %v\n", class, err)
+		w.Printf("decision: %s\n", decision(b, r, res, err, now))
+		w.Printf("nothing was changed\n")
 		return nil
 	}
 	auth := "not authoritative"
 	if res.Authoritative {
 		auth = "authoritative"
 	}
-	fmt.Fprintf(w, "query: %s\nverdict: %s (%s)\n", res.Query, res.Verdict, auth)
+	w.Printf("query: %s\nverdict: %s (%s)\n", res.Query, res.Verdict, auth)
 	if len(res.ExternalIDs) > 0 {
-		fmt.Fprintf(w, "matched: %s\n", strings.Join(res.ExternalIDs, ", "))
+		w.Printf("matched: %s\n", strings.Join(res.ExternalIDs, ", "))
 	}
 	if res.Evidence != nil {
 		if j, err := json.Marshal(res.Evidence); err == nil {
-			fmt.Fprintf(w, "evidence: %s\n", j)
+			w.Printf("evidence: %s\n", j)
 		}
 	}
 	d := decision(b, r, res, nil, now)
@@ -329,8 +327,8 @@ func explain(ctx context.Context, w io.Writer, db *pgxpool.Pool, reg *readback.R
 			d += fmt.Sprintf("; the adapter's %s control passed", kind)
 		}
 	}
-	fmt.Fprintf(w, "decision: %s\n", d)
-	fmt.Fprintln(w, "nothing was changed")
+	w.Printf("decision: %s\n", d)
+	w.Printf("nothing was changed\n")
 	return nil
 }
 

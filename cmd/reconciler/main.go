@@ -33,19 +33,21 @@ func run(ctx context.Context, args []string, stdin io.Reader, stdout, stderr io.
 	}
 	var ec cli.ExitCoder
 	if errors.As(err, &ec) {
-		if msg := oneLine(err.Error()); msg != "" {
+		if msg := termText(oneLine(err.Error())); msg != "" {
 			fmt.Fprintln(stderr, "reconciler: "+msg)
 		}
 		return ec.ExitCode()
 	}
 	// Anything urfave/cli returns unwrapped is a usage error (unknown
 	// flag, missing required flag, unknown command).
-	fmt.Fprintln(stderr, "reconciler: "+oneLine(err.Error()))
+	fmt.Fprintln(stderr, "reconciler: "+termText(oneLine(err.Error())))
 	return 2
 }
 
 // oneLine folds a multi-line error (pgx lists every address it tried on a
-// line of its own) into the one line a script can log or grep.
+// line of its own) into the one line a script can log or grep. The caller
+// escapes what is left with termText: an error can quote an API's answer, an
+// agent's target or an operator's flag, and it is printed on a terminal.
 func oneLine(msg string) string {
 	return strings.Join(strings.Fields(msg), " ")
 }

@@ -10,7 +10,6 @@ import (
 	"slices"
 	"strconv"
 	"strings"
-	"text/tabwriter"
 	"time"
 
 	"github.com/jackc/pgx/v5/pgxpool"
@@ -120,18 +119,19 @@ func reviewListAction(c *cli.Context) error {
 		}
 		return writeJSON(c.App.Writer, held)
 	}
+	scr := newScreen(c.App.Writer)
 	if len(held) == 0 {
-		fmt.Fprintln(c.App.Writer, "no receipts held in manual_review")
+		scr.Printf("no receipts held in manual_review\n")
 		return nil
 	}
-	tw := tabwriter.NewWriter(c.App.Writer, 2, 4, 2, ' ', 0)
-	fmt.Fprintln(tw, "ID\tAGE\tOPERATION\tDEPENDENCY\tATTEMPT\tREASON")
+	tw := scr.Table()
+	tw.Printf("ID\tAGE\tOPERATION\tDEPENDENCY\tATTEMPT\tREASON\n")
 	for _, h := range held {
 		why := h.Reason
 		if h.ErrorCode != "" {
 			why += " (" + h.ErrorCode + ")"
 		}
-		fmt.Fprintf(tw, "%d\t%s\t%s\t%s\t%d\t%s\n", h.ID, age(h.Age), h.Operation, h.Dependency, h.Attempt,
+		tw.Printf("%d\t%s\t%s\t%s\t%d\t%s\n", h.ID, age(h.Age), h.Operation, h.Dependency, h.Attempt,
 			strings.TrimSpace(why))
 	}
 	return tw.Flush()
@@ -201,7 +201,7 @@ func decide(c *cli.Context, cmd string, move func(pool *pgxpool.Pool, operator, 
 	r, err := move(pool, operator, reason)
 	switch {
 	case err == nil:
-		fmt.Fprintf(c.App.Writer, "receipt %d: manual_review -> %s by human:%s\n", r.ID, r.State, operator)
+		newScreen(c.App.Writer).Printf("receipt %d: manual_review -> %s by human:%s\n", r.ID, r.State, operator)
 		return nil
 	case errors.Is(err, review.ErrInvalidOperator), errors.Is(err, review.ErrReasonRequired),
 		errors.Is(err, review.ErrInvalidResolution):
@@ -313,46 +313,48 @@ func showAction(c *cli.Context, cmd string) error {
 	if c.Bool("json") {
 		return writeJSON(c.App.Writer, t)
 	}
-	printTimeline(c.App.Writer, t)
+	printTimeline(newScreen(c.App.Writer), t)
 	return nil
 }
 
-func printTimeline(w io.Writer, t *review.Timeline) {
+// printTimeline prints a receipt and its history for a person; every field
+// goes through w, which escapes it.
+func printTimeline(w *screen, t *review.Timeline) {
 	r := t.Receipt
 	ts := func(at time.Time) string { return at.UTC().Format("2006-01-02T15:04:05.000Z07:00") }
-	fmt.Fprintf(w, "receipt %d  %s\n", r.ID, r.State)
-	fmt.Fprintf(w, "  operation    %s on %s: %s %s\n", r.Operation, r.Dependency, r.Method, r.Target)
-	fmt.Fprintf(w, "  key          %s (attempt %d", r.IdempotencyKey, r.Attempt)
+	w.Printf("receipt %d  %s\n", r.ID, r.State)
+	w.Printf("  operation    %s on %s: %s %s\n", r.Operation, r.Dependency, r.Method, r.Target)
+	w.Printf("  key          %s (attempt %d", r.IdempotencyKey, r.Attempt)
 	if r.RetryOf != 0 {
-		fmt.Fprintf(w, ", retry of receipt %d", r.RetryOf)
+		w.Printf(", retry of receipt %d", r.RetryOf)
 	}
-	fmt.Fprintln(w, ")")
-	fmt.Fprintf(w, "  fingerprint  %s\n", r.Fingerprint)
-	fmt.Fprintf(w, "  intent       %s\n", compact(r.Intent))
+	w.Printf(")\n")
+	w.Printf("  fingerprint  %s\n", r.Fingerprint)
+	w.Printf("  intent       %s\n", compact(r.Intent))
 	if len(r.PreImage) > 0 {
-		fmt.Fprintf(w, "  pre-image    %s\n", compact(r.PreImage))
+		w.Printf("  pre-image    %s\n", compact(r.PreImage))
 	}
 	if r.ExternalID != "" {
-		fmt.Fprintf(w, "  external id  %s\n", r.ExternalID)
+		w.Printf("  external id  %s\n", r.ExternalID)
 	}
-	fmt.Fprintf(w, "  created      %s\n", ts(r.CreatedAt))
+	w.Printf("  created      %s\n", ts(r.CreatedAt))
 	if r.SubmittedAt != nil {
-		fmt.Fprintf(w, "  submitted    %s\n", ts(*r.SubmittedAt))
+		w.Printf("  submitted    %s\n", ts(*r.SubmittedAt))
 	}
-	fmt.Fprintf(w, "  updated      %s (version %d, %d readback check(s))\n", ts(r.UpdatedAt), r.Version, r.Checks)
+	w.Printf("  updated      %s (version %d, %d readback check(s))\n", ts(r.UpdatedAt), r.Version, r.Checks)
 	if r.NextCheckAt != nil {
-		fmt.Fprintf(w, "  next check   %s\n", ts(*r.NextCheckAt))
+		w.Printf("  next check   %s\n", ts(*r.NextCheckAt))
 	}
-	fmt.Fprintln(w, "timeline")
+	w.Printf("timeline\n")
 	for _, e := range t.Events {
 		from := string(e.From)
 		if from == "" {
 			from = "(new)"
 		}
-		fmt.Fprintf(w, "  #%d  %s  %s -> %s  by %s\n", e.Seq, ts(e.At), from, e.To, e.Actor)
+		w.Printf("  #%d  %s  %s -> %s  by %s\n", e.Seq, ts(e.At), from, e.To, e.Actor)
 		line := func(label string, v string) {
 			if v != "" {
-				fmt.Fprintf(w, "        %-11s %s\n", label+":", v)
+				w.Printf("        %-11s %s\n", label+":", v)
 			}
 		}
 		line("reason", e.Reason)
@@ -375,10 +377,16 @@ func compact(raw json.RawMessage) string {
 	return b.String()
 }
 
+// writeJSON prints v as indented JSON for scripts, with the characters
+// encoding/json leaves raw (DEL, C1, bidi controls) escaped too (jsonText).
 func writeJSON(w io.Writer, v any) error {
-	enc := json.NewEncoder(w)
+	var b bytes.Buffer
+	enc := json.NewEncoder(&b)
 	enc.SetIndent("", "  ")
 	if err := enc.Encode(v); err != nil {
+		return cli.Exit(fmt.Sprintf("json: %v", err), 1)
+	}
+	if _, err := w.Write(jsonText(b.Bytes())); err != nil {
 		return cli.Exit(fmt.Sprintf("json: %v", err), 1)
 	}
 	return nil

@@ -1,7 +1,6 @@
 package main
 
 import (
-	"encoding/json"
 	"fmt"
 	"time"
 
@@ -54,12 +53,11 @@ func statsCommand() *cli.Command {
 				for _, f := range fields {
 					m[f.name] = f.value
 				}
-				enc := json.NewEncoder(c.App.Writer)
-				enc.SetIndent("", "  ")
-				return enc.Encode(m)
+				return writeJSON(c.App.Writer, m)
 			}
+			scr := newScreen(c.App.Writer)
 			for _, f := range fields {
-				fmt.Fprintf(c.App.Writer, "%s=%v\n", f.name, f.value)
+				scr.Printf("%s=%v\n", f.name, f.value)
 			}
 			return nil
 		},
