@@ -14,66 +14,26 @@ import (
 	"fmt"
 	"io"
 	"reflect"
-	"strings"
 	"text/tabwriter"
 	"unicode/utf8"
+
+	"github.com/receiptledger/reconciler/internal/sanitize"
 )
 
-// termText is s made safe for a terminal: every control character (C0
-// including ESC, CR, BS, newline and tab, DEL, C1, U+2028/2029, the bidi
-// overrides and isolates U+202A–202E and U+2066–2069) and every byte that is
-// not UTF-8 becomes a visible escape (\x1b, \u009b, \u202e); printable text
-// is unchanged, so the value stays recognizable.
-func termText(s string) string {
-	if !needsEscape(s, false) {
-		return s
-	}
-	var b strings.Builder
-	for i := 0; i < len(s); {
-		r, n := utf8.DecodeRuneInString(s[i:])
-		switch {
-		case r == utf8.RuneError && n == 1:
-			fmt.Fprintf(&b, `\x%02x`, s[i])
-		case r < 0x20 || r == 0x7f:
-			fmt.Fprintf(&b, `\x%02x`, r)
-		case isControl(r):
-			fmt.Fprintf(&b, `\u%04x`, r)
-		default:
-			b.WriteString(s[i : i+n])
-		}
-		i += n
-	}
-	return b.String()
-}
+// termText is s made safe for a terminal (sanitize.Terminal): every control
+// character (C0 including ESC, CR, BS, newline and tab, DEL, C1, U+2028/2029,
+// the bidi marks, overrides and isolates, BOM) and every byte that is not
+// UTF-8 becomes a visible escape (\x1b, \n, \u009b, \u202e); printable text is
+// unchanged, so the value stays recognizable.
+func termText(s string) string { return sanitize.Terminal(s) }
 
-// isControl reports whether r must not reach a terminal raw.
-func isControl(r rune) bool {
-	switch {
-	case r < 0x20, r >= 0x7f && r <= 0x9f: // C0, DEL, C1
-		return true
-	case r == 0x2028, r == 0x2029: // line and paragraph separators
-		return true
-	case r >= 0x202a && r <= 0x202e, r >= 0x2066 && r <= 0x2069: // bidi embeddings, overrides, isolates
-		return true
+// shown reports whether the rune r, encoded as enc, reaches a terminal as
+// it is: termText leaves it alone and it is not an invalid byte.
+func shown(r rune, enc []byte) bool {
+	if r == utf8.RuneError && len(enc) == 1 {
+		return false
 	}
-	return false
-}
-
-// needsEscape reports whether termText would change s; with layout, "\n"
-// and "\t" do not count.
-func needsEscape(s string, layout bool) bool {
-	for i := 0; i < len(s); {
-		r, n := utf8.DecodeRuneInString(s[i:])
-		if layout && (r == '\n' || r == '\t') {
-			i++
-			continue
-		}
-		if (r == utf8.RuneError && n == 1) || isControl(r) {
-			return true
-		}
-		i += n
-	}
-	return false
+	return termText(string(enc)) == string(enc)
 }
 
 // screen writes human output. Printf escapes every argument
@@ -153,25 +113,38 @@ func escapeArg(a any) any {
 type guard struct{ w io.Writer }
 
 func (g guard) Write(p []byte) (int, error) {
-	if !needsEscape(string(p), true) {
+	if layoutOnly(p) {
 		return g.w.Write(p)
 	}
-	n := len(p)
 	var b bytes.Buffer
-	for len(p) > 0 {
-		i := bytes.IndexAny(p, "\n\t")
+	rest := p
+	for len(rest) > 0 {
+		i := bytes.IndexAny(rest, "\n\t")
 		if i < 0 {
-			b.WriteString(termText(string(p)))
+			b.WriteString(termText(string(rest)))
 			break
 		}
-		b.WriteString(termText(string(p[:i])))
-		b.WriteByte(p[i])
-		p = p[i+1:]
+		b.WriteString(termText(string(rest[:i])))
+		b.WriteByte(rest[i])
+		rest = rest[i+1:]
 	}
 	if _, err := g.w.Write(b.Bytes()); err != nil {
 		return 0, err
 	}
-	return n, nil
+	return len(p), nil
+}
+
+// layoutOnly reports whether p holds no control character other than "\n"
+// and "\t", and only valid UTF-8.
+func layoutOnly(p []byte) bool {
+	for i := 0; i < len(p); {
+		r, n := utf8.DecodeRune(p[i:])
+		if r != '\n' && r != '\t' && !shown(r, p[i:i+n]) {
+			return false
+		}
+		i += n
+	}
+	return true
 }
 
 // jsonText makes encoded JSON safe to show as well as to parse. encoding/json
@@ -182,7 +155,7 @@ func (g guard) Write(p []byte) (int, error) {
 // the document stays valid and means the same (an invalid byte reads as
 // U+FFFD, as encoding/json decodes it).
 func jsonText(b []byte) []byte {
-	if !needsEscape(string(b), true) {
+	if layoutOnly(b) {
 		return b
 	}
 	out := make([]byte, 0, len(b)+32)
@@ -193,7 +166,7 @@ func jsonText(b []byte) []byte {
 			out = append(out, `\ufffd`...)
 		case r == '\n' || r == '\t':
 			out = append(out, b[i])
-		case isControl(r):
+		case !shown(r, b[i:i+n]):
 			out = fmt.Appendf(out, `\u%04x`, r)
 		default:
 			out = append(out, b[i:i+n]...)
