@@ -257,7 +257,7 @@ func TestHostileFieldsAreEscaped(t *testing.T) {
 		{"adapters check, the API's answer", []string{"adapters", "check", "--config", config, "--receipt", id(unknown.ID)}, 0,
 			[]string{"matched: " + esc("APIID"+evil), "verdict: present"}, evilShown, false},
 		{"adapters check, the API's error", []string{"adapters", "check", "--config", downConfig, "--receipt", id(unknown.ID)}, 0,
-			[]string{"error: ", "decision: "}, nil, false},
+			[]string{"error: ", "HTTP 503", `BODY\x1b[2J`, "decision: "}, nil, false},
 		{"stats", []string{"stats"}, 0, []string{"manual_review="}, nil, false},
 		{"stats --json", []string{"stats", "--json"}, 0, []string{`"manual_review"`}, nil, true},
 		{"error with an undefined flag", []string{"review", "list", "1", "--" + evil}, 2,
