@@ -7,6 +7,8 @@ import (
 	"fmt"
 	"net/http"
 	"net/http/httptest"
+	"os"
+	"path/filepath"
 	"strings"
 	"testing"
 	"time"
@@ -295,4 +297,36 @@ func TestHostileFieldsAreEscaped(t *testing.T) {
 		string(tl.Events[0].Actor) != "agent:ACTOR"+evil || ev.Note != "EVIDENCE"+evil {
 		t.Errorf("--json does not read back the stored values: %+v", tl)
 	}
+}
+
+// Issue 8, item 7: `adapters check --control` shows what the API answered
+// for a declared control (the ids it found) escaped.
+func TestAdaptersControlOutputIsEscaped(t *testing.T) {
+	t.Setenv("SHOP_TOKEN", adaptersSecret)
+	t.Setenv("RECONCILER_DATABASE_URL", "")
+	made := time.Now().Add(-time.Hour).UTC().Truncate(time.Second)
+	api, _ := controlAPI(t, map[string]any{"id": "CONTROLID" + evil, "created_at": made.Format(time.RFC3339),
+		"metadata": map[string]any{"idempotency_key": "bootstrap:shop-control:items.create"}})
+	path := filepath.Join(t.TempDir(), "adapters.yaml")
+	if err := os.WriteFile(path, []byte(fmt.Sprintf(`version: 1
+adapters:
+  - name: shop-items
+    type: http
+    kind: create
+    dependency: shop-api
+    operations: [items.create]
+    http: {preset: rest, base_url: %s, auth: {env: SHOP_TOKEN}}
+    control:
+      idempotency_key: "bootstrap:shop-control:items.create#2"
+      target: /items
+      submitted_at: %s
+`, api.URL, made.Format(time.RFC3339))), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	code, out, errOut := runCLI(t, "", "adapters", "check", "--config", path, "--control")
+	if code != 0 {
+		t.Fatalf("exit %d:\n%s\n%s", code, out, errOut)
+	}
+	assertShown(t, "adapters check --control", out+errOut,
+		append([]string{"shop-items: passed: found " + termText("CONTROLID"+evil)}, evilShown...)...)
 }
