@@ -222,6 +222,9 @@ type Evidence struct {
 	Fields map[string]string `json:"fields,omitempty"`
 	// Reason explains a diverged, inconclusive or non-authoritative answer.
 	Reason string `json:"reason,omitempty"`
+	// Sanitized is set when a string of the result (query, ids, evidence)
+	// was altered to be stored: invalid UTF-8 or a NUL replaced, or cut.
+	Sanitized bool `json:"sanitized,omitempty"`
 }
 
 // Check reads the receipt's effect back. It never changes the external

@@ -5,6 +5,7 @@ import (
 	"strings"
 	"unicode/utf8"
 
+	"github.com/receiptledger/reconciler/internal/sanitize"
 	"github.com/receiptledger/reconciler/readback"
 )
 
@@ -30,7 +31,7 @@ const (
 
 // clean is sanitize.Text: s as valid UTF-8 without NUL, cut to max bytes.
 func clean(s string, max int) string {
-	out, _ := sanitizeText(s, max)
+	out, _ := sanitize.Text(s, max)
 	return out
 }
 
@@ -74,26 +75,34 @@ func cleanError(err error) error {
 
 // cleanResult sanitizes every string of res that may hold text from a
 // response: the query, the external ids (already checked by usableID) and
-// the evidence's strings.
+// the evidence's strings; the evidence records "sanitized": true when
+// anything changed.
 func cleanResult(res readback.Result) readback.Result {
-	res.Query = clean(res.Query, maxQueryBytes)
+	changed := false
+	c := func(s string, limit int) string {
+		out, ch := sanitize.Text(s, limit)
+		changed = changed || ch
+		return out
+	}
+	res.Query = c(res.Query, maxQueryBytes)
 	for i, id := range res.ExternalIDs {
-		res.ExternalIDs[i] = clean(id, maxIDBytes)
+		res.ExternalIDs[i] = c(id, maxIDBytes)
 	}
 	if ev, ok := res.Evidence.(*Evidence); ok && ev != nil {
-		ev.Reason = clean(ev.Reason, maxReasonBytes)
-		ev.Confirmation = clean(ev.Confirmation, maxReasonBytes)
-		ev.MatchedBy = clean(ev.MatchedBy, maxReasonBytes)
+		ev.Reason = c(ev.Reason, maxReasonBytes)
+		ev.Confirmation = c(ev.Confirmation, maxReasonBytes)
+		ev.MatchedBy = c(ev.MatchedBy, maxReasonBytes)
 		for i, id := range ev.MarkedOutsideWindow {
-			ev.MarkedOutsideWindow[i] = clean(id, maxIDBytes)
+			ev.MarkedOutsideWindow[i] = c(id, maxIDBytes)
 		}
 		if len(ev.Fields) > 0 {
 			fields := make(map[string]string, len(ev.Fields))
 			for k, v := range ev.Fields {
-				fields[clean(k, maxReasonBytes)] = clean(v, maxReasonBytes)
+				fields[c(k, maxReasonBytes)] = c(v, maxReasonBytes)
 			}
 			ev.Fields = fields
 		}
+		ev.Sanitized = ev.Sanitized || changed
 	}
 	return res
 }
