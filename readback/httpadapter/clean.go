@@ -36,7 +36,8 @@ func clean(s string, max int) string {
 }
 
 // usableID reports why id cannot be recorded as an external id, or "" when
-// it can: it must be valid UTF-8 without NUL or other control characters
+// it can: it must be valid UTF-8 (without U+FFFD, which the JSON decoder
+// puts in place of invalid bytes) without NUL or other control characters,
 // and at most maxIDBytes long. A cleaned or cut id would name another
 // resource (a later fetch by {receipt.external_id} would read a 404 there
 // and call the resource gone), so such an id is never altered and used: the
@@ -45,7 +46,9 @@ func usableID(id string) string {
 	switch {
 	case len(id) > maxIDBytes:
 		return "longer than 255 bytes"
-	case !utf8.ValidString(id):
+	case !utf8.ValidString(id) || strings.ContainsRune(id, utf8.RuneError):
+		// encoding/json decodes invalid UTF-8 in a string as U+FFFD: an id
+		// holding one was (almost surely) altered on the way.
 		return "not valid UTF-8"
 	case strings.ContainsFunc(id, func(r rune) bool { return r < 0x20 || r == 0x7f }):
 		return "holds a control character"
