@@ -43,10 +43,6 @@ import (
 // TypeName is the adapters file's `type` for this adapter.
 const TypeName = "http"
 
-// maxBody bounds one response body: a readback page is small, and a
-// misbehaving server must not exhaust memory.
-const maxBody = 16 << 20
-
 // Option configures the adapters built by Types.
 type Option func(*options)
 
@@ -226,17 +222,40 @@ type Evidence struct {
 	Fields map[string]string `json:"fields,omitempty"`
 	// Reason explains a diverged, inconclusive or non-authoritative answer.
 	Reason string `json:"reason,omitempty"`
+	// Sanitized is set when a string of the result (query, ids, evidence)
+	// was altered to be stored: invalid UTF-8 or a NUL replaced, or cut.
+	Sanitized bool `json:"sanitized,omitempty"`
 }
 
 // Check reads the receipt's effect back. It never changes the external
 // system: only GET (or an operator-vouched read-only POST) is sent.
+//
+// Every string of the Result and of an error is valid UTF-8 without NUL
+// and bounded (clean.go): the Result's query, ids and evidence, and any
+// response text an error quotes.
 func (a *Adapter) Check(ctx context.Context, r readback.Receipt) (readback.Result, error) {
+	res, err := a.check(ctx, r)
+	if err != nil {
+		return readback.Result{}, cleanError(err)
+	}
+	return cleanResult(res), nil
+}
+
+func (a *Adapter) check(ctx context.Context, r readback.Receipt) (readback.Result, error) {
 	sc, err := a.scope(r)
 	if err != nil {
 		return readback.Result{}, err
 	}
 	if a.cfg.search != nil {
-		return a.search(ctx, sc)
+		res, err := a.search(ctx, sc)
+		if err == nil && res.Verdict != readback.VerdictPresent && a.cfg.fp != nil && holdsSecretMarker(sc.payload) {
+			// The intent's secret fields are stored as markers, so no
+			// item's fields can reproduce its fingerprint: not finding one
+			// by fingerprint proves nothing.
+			return readback.Result{}, readback.PermanentError(fmt.Errorf("receipt %d: %w: match.fingerprint cannot "+
+				"recognize the effect of an intent with secret fields, and no item carries the marker", r.ID, errSecretField))
+		}
+		return res, err
 	}
 	return a.fetchOne(ctx, sc)
 }
@@ -336,12 +355,13 @@ func (a *Adapter) do(ctx context.Context, method string, u *url.URL, gone []int)
 		return nil, readback.TransientError(fmt.Errorf("%s %s: %w", method, u.Redacted(), a.redactErr(err)), 0)
 	}
 	defer resp.Body.Close()
-	body, err := io.ReadAll(io.LimitReader(resp.Body, maxBody+1))
+	body, err := io.ReadAll(io.LimitReader(resp.Body, int64(a.cfg.maxBytes)+1))
 	if err != nil {
 		return nil, readback.TransientError(fmt.Errorf("%s %s: reading the body: %w", method, u.Redacted(), err), 0)
 	}
-	if len(body) > maxBody {
-		return nil, readback.PermanentError(fmt.Errorf("%s %s: response larger than %d bytes", method, u.Redacted(), maxBody))
+	if len(body) > a.cfg.maxBytes {
+		return nil, readback.PermanentError(fmt.Errorf("%s %s: %w: larger than %d bytes (max_response_bytes)",
+			method, u.Redacted(), errTooLarge, a.cfg.maxBytes))
 	}
 	for _, g := range gone {
 		if resp.StatusCode == g {
@@ -395,7 +415,26 @@ func (a *Adapter) snippet(body []byte) string {
 	if len(s) > 200 {
 		s = s[:200] + "..."
 	}
-	return s
+	return clean(s, maxExcerptBytes+len("..."))
+}
+
+// decode checks body against the response bounds (items names the list
+// whose elements count against maxItems; nil for a fetch), then decodes
+// it. A page that is not JSON is transient (a proxy may have cut it); one
+// over a bound is permanent: never an absence.
+func (a *Adapter) decode(u *url.URL, body []byte, items *pointer, maxItems int) (any, error) {
+	maxValues := valuesPerItem*maxItems + baseValues
+	if err := scanBounds(body, items, maxItems, maxValues); err != nil {
+		if errors.Is(err, errTooLarge) {
+			return nil, readback.PermanentError(fmt.Errorf("%s: %w (raise search.max_page_items or ask for smaller pages)", u.Redacted(), err))
+		}
+		return nil, readback.TransientError(fmt.Errorf("%s: response is not JSON: %w", u.Redacted(), err), 0)
+	}
+	var doc any
+	if err := decodeJSON(body, &doc); err != nil {
+		return nil, readback.TransientError(fmt.Errorf("%s: response is not JSON: %w", u.Redacted(), err), 0)
+	}
+	return doc, nil
 }
 
 func (a *Adapter) redactErr(err error) error {
@@ -592,11 +631,26 @@ type pass struct {
 	// did not reach the end of the list ("" when it did).
 	truncated  bool
 	incomplete string
+	// insane counts unmarked items whose creation time is outside any
+	// sane range (saneTime); insaneReason describes the first. Such a
+	// pass proves no absence (incompleteAfter, applied once the pass ends).
+	insane          int
+	insaneReason    string
+	incompleteAfter string
 }
 
 // readPass reads the list once, from first to its end or the page bound,
-// adding what it saw to ev.
+// adding what it saw to ev. A pass that saw an unmarked item with an absurd
+// creation time is incomplete: its absence proves nothing.
 func (a *Adapter) readPass(ctx context.Context, sc *scope, first *url.URL, m *itemMatcher, ev *Evidence) (*pass, error) {
+	p, err := a.readPassOnce(ctx, sc, first, m, ev)
+	if err == nil && p.incomplete == "" && p.incompleteAfter != "" {
+		p.incomplete = p.incompleteAfter
+	}
+	return p, err
+}
+
+func (a *Adapter) readPassOnce(ctx context.Context, sc *scope, first *url.URL, m *itemMatcher, ev *Evidence) (*pass, error) {
 	s := a.cfg.search
 	pg := a.cfg.pagination
 	p := &pass{}
@@ -613,10 +667,10 @@ func (a *Adapter) readPass(ctx context.Context, sc *scope, first *url.URL, m *it
 		}
 		p.requests++
 		ev.Pages++
-		var doc any
-		if err := decodeJSON(resp.body, &doc); err != nil {
-			// A cut or garbled page may be a proxy's fault: ask again later.
-			return nil, readback.TransientError(fmt.Errorf("%s: response is not JSON: %w", u.Redacted(), err), 0)
+		// A cut or garbled page may be a proxy's fault: ask again later.
+		doc, err := a.decode(u, resp.body, &s.items, s.maxItems)
+		if err != nil {
+			return nil, err
 		}
 		raw, ok := s.items.get(doc)
 		list, isList := raw.([]any)
@@ -630,20 +684,36 @@ func (a *Adapter) readPass(ctx context.Context, sc *scope, first *url.URL, m *it
 		for i, item := range list {
 			ev.Items++
 			pageIDs = append(pageIDs, identity(item, s.id))
-			if !m.marker(item) {
+			marked := m.marker(item)
+			if !marked {
 				p.foreign++
 			}
-			created, err := a.createdAt(item)
-			if err != nil {
-				return nil, readback.PermanentError(fmt.Errorf("%s: item %d: %w", u.Redacted(), i, err))
-			}
-			outside := created.Before(sc.start) || created.After(sc.end)
 			// A marked item is the receipt's step's whatever its creation
 			// time: the window (an API clock off by more than window_skew
 			// would put ours outside it) filters only fingerprint matches,
-			// which cannot tell two identical calls apart.
+			// which cannot tell two identical calls apart. So its time may
+			// even be missing or absurd.
+			created, err := a.createdAt(item)
+			if err != nil && !marked {
+				return nil, readback.PermanentError(fmt.Errorf("%s: item %d: %w", u.Redacted(), i, err))
+			}
+			if why := saneTime(created, sc.end); err == nil && why != "" && !marked && a.cfg.fp != nil {
+				// Not a time this item can have (milliseconds read as
+				// seconds, seconds as milliseconds, a placeholder): whether
+				// it lies in the window is unknown, so it might be ours
+				// (a fingerprint match). Unmarked items matter only to the
+				// fingerprint: with a marker alone, their time is moot.
+				p.insane++
+				if p.insaneReason == "" {
+					p.insaneReason = fmt.Sprintf("item %d: created-at %s at %q is %s (created_at_format %q?): "+
+						"an item whose creation time is unknown may be the receipt's, so no absence is proven",
+						i, created.UTC().Format(time.RFC3339), s.createdAt.text, why, firstNonEmpty(s.createdAtFormat, "rfc3339"))
+				}
+				continue
+			}
+			outside := err != nil || created.Before(sc.start) || created.After(sc.end)
 			by := ""
-			if m.marker(item) {
+			if marked {
 				by = "marker"
 			} else if outside {
 				ev.OutsideWindow++
@@ -658,6 +728,11 @@ func (a *Adapter) readPass(ctx context.Context, sc *scope, first *url.URL, m *it
 			if err != nil {
 				return nil, readback.PermanentError(fmt.Errorf("%s: item %d: %w", u.Redacted(), i, err))
 			}
+			if why := usableID(id); why != "" {
+				// The effect is there, but its id cannot be recorded as is.
+				return nil, readback.PermanentError(fmt.Errorf("%s: item %d matched by %s, but its id at %q is %s: "+
+					"it cannot be recorded as the external id", u.Redacted(), i, by, s.id.text, why))
+			}
 			if !seen[id] { // pages may overlap when the list moves under us
 				seen[id] = true
 				p.matches = append(p.matches, id)
@@ -668,6 +743,9 @@ func (a *Adapter) readPass(ctx context.Context, sc *scope, first *url.URL, m *it
 			}
 		}
 		p.ids = append(p.ids, pageIDs...)
+		if p.insane > 0 && p.incomplete == "" {
+			p.incompleteAfter = p.insaneReason
+		}
 		if (pg.Style == "page" || pg.Style == "offset") && len(pageIDs) > 0 && slices.Equal(pageIDs, prevPage) {
 			// A static list: the server answers every page with the same
 			// items, so the list has no end to read up to.
@@ -835,6 +913,27 @@ func (a *Adapter) createdAt(item any) (time.Time, error) {
 	return time.Time{}, fmt.Errorf("created-at at %q is %s, want a time", s.createdAt.text, jsonType(v))
 }
 
+// minSaneTime is the earliest creation time taken at face value: nothing a
+// readback looks for was created before 2000.
+var minSaneTime = time.Date(2000, 1, 1, 0, 0, 0, 0, time.UTC)
+
+// maxFutureSkew is how far past the window's end a creation time may lie
+// before it is absurd rather than a clock offset.
+const maxFutureSkew = 24 * time.Hour
+
+// saneTime says why t cannot be a creation time seen by a check whose
+// window ends at end ("" when it can): before 2000, or more than a day
+// after the window.
+func saneTime(t, end time.Time) string {
+	switch {
+	case t.Before(minSaneTime):
+		return "before 2000"
+	case t.After(end.Add(maxFutureSkew)):
+		return "more than a day after the window's end"
+	}
+	return ""
+}
+
 func idOf(item any, p pointer) (string, error) {
 	v, ok := p.get(item)
 	if !ok {
@@ -951,13 +1050,25 @@ func (a *Adapter) fetchOne(ctx context.Context, sc *scope) (readback.Result, err
 		res.Verdict = readback.VerdictAbsent
 		return res, nil
 	}
-	var doc any
-	if err := decodeJSON(resp.body, &doc); err != nil {
-		return readback.Result{}, readback.TransientError(fmt.Errorf("%s: response is not JSON: %w", u.Redacted(), err), 0)
+	doc, err := a.decode(u, resp.body, nil, defaultMaxPageItems)
+	if err != nil {
+		return readback.Result{}, err
 	}
 	id, err := idOf(doc, f.id)
 	if err != nil {
 		return readback.Result{}, readback.PermanentError(fmt.Errorf("%s: %w", u.Redacted(), err))
+	}
+	if why := usableID(id); why != "" {
+		return readback.Result{}, readback.PermanentError(fmt.Errorf("%s: the id at %q is %s: it cannot be recorded "+
+			"as the external id", u.Redacted(), f.id.text, why))
+	}
+	for _, p := range a.cfg.compare {
+		if want, ok := p.payload.get(sc.payload); ok && holdsSecretMarker(want) {
+			// The intended value is not in the receipt: "other" would read
+			// as diverged, and "pre_image" as an absence it cannot prove.
+			return readback.Result{}, readback.PermanentError(fmt.Errorf("receipt %d: compare field %s: %w",
+				sc.r.ID, p.payload.text, errSecretField))
+		}
 	}
 	res.ExternalIDs = []string{id}
 	if len(a.cfg.compare) == 0 {

@@ -1,11 +1,13 @@
 package httpadapter
 
 import (
+	"errors"
 	"fmt"
 	"net/http"
 	"net/url"
 	"os"
 	"reflect"
+	"slices"
 	"sort"
 	"strings"
 	"time"
@@ -31,6 +33,12 @@ type settingsYAML struct {
 	Compare      *compareYAML      `yaml:"compare"`
 	Guard        *guardYAML        `yaml:"guard"`
 	RateLimit    *rateLimitYAML    `yaml:"rate_limit"`
+	// MaxResponseBytes bounds one response body (default 8 MiB).
+	MaxResponseBytes int `yaml:"max_response_bytes"`
+	// SecretFields lists payload pointers the agent declares secret
+	// (ledger.Input.Secret): a template, compare or fingerprint field over
+	// one of them (or inside one) is refused when the file loads.
+	SecretFields []string `yaml:"secret_fields"`
 }
 
 type authYAML struct {
@@ -49,6 +57,8 @@ type searchYAML struct {
 	CreatedAt       string            `yaml:"created_at"`
 	CreatedAtFormat string            `yaml:"created_at_format"`
 	Pagination      *paginationYAML   `yaml:"pagination"`
+	// MaxPageItems bounds the items of one page (default 1000).
+	MaxPageItems int `yaml:"max_page_items"`
 }
 
 type paginationYAML struct {
@@ -131,6 +141,10 @@ type config struct {
 	guard      []pointer
 	rateLimit  rateLimitYAML
 	pagination paginationYAML
+	// maxBytes bounds a response body (max_response_bytes).
+	maxBytes int
+	// secret are the payload pointers declared secret (secret_fields).
+	secret []pointer
 }
 
 type auth struct {
@@ -147,6 +161,7 @@ type searchConfig struct {
 	id              pointer
 	createdAt       pointer
 	createdAtFormat string
+	maxItems        int
 	// narrowed: the path or query names the receipt's key or id, so the
 	// API returns only the receipt's own resources (if it honours the
 	// filter: the search checks that every item returned carries the
@@ -347,9 +362,33 @@ func compile(name string, s settingsYAML, o *options) (*config, error) {
 		}
 		c.headers.Set(k, v)
 	}
+	c.maxBytes = defaultMaxResponseBytes
+	if s.MaxResponseBytes != 0 {
+		if s.MaxResponseBytes < 1024 || s.MaxResponseBytes > maxMaxResponseBytes {
+			return nil, fieldErr("max_response_bytes", "want 1024 to %d, got %d", maxMaxResponseBytes, s.MaxResponseBytes)
+		}
+		c.maxBytes = s.MaxResponseBytes
+	}
+	for i, v := range s.SecretFields {
+		p, err := parsePointer(v)
+		if err != nil || len(p.tokens) == 0 {
+			if err == nil {
+				err = errors.New("must name a payload field")
+			}
+			return nil, fieldErr(fmt.Sprintf("secret_fields[%d]", i), "%v", err)
+		}
+		c.secret = append(c.secret, p)
+	}
 	for k, v := range s.IntentFields {
-		if _, err := parsePointer(v); err != nil {
+		p, err := parsePointer(v)
+		if err != nil {
 			return nil, fieldErr("intent_fields."+k, "%v", err)
+		}
+		if sp, ok := c.secretOver(p); ok {
+			// The stored intent holds a marker in its place: a template
+			// over it would search for the marker and find nothing.
+			return nil, fieldErr("intent_fields."+k, "%s is a secret field (secret_fields: %s): the receipt stores "+
+				"a redaction marker in its place, so no template can use it", v, sp)
 		}
 		c.intent[k] = v
 	}
@@ -380,6 +419,30 @@ func compile(name string, s settingsYAML, o *options) (*config, error) {
 		c.rateLimit = *s.RateLimit
 	}
 	return c, nil
+}
+
+// secretOver reports the secret pointer that p names or lies inside (or
+// that lies inside p: an object holding a secret field), if any.
+func (c *config) secretOver(p pointer) (string, bool) {
+	for _, sp := range c.secret {
+		n := min(len(sp.tokens), len(p.tokens))
+		if slices.Equal(sp.tokens[:n], p.tokens[:n]) {
+			return sp.text, true
+		}
+	}
+	return "", false
+}
+
+// checkSecretPairs refuses a compare or fingerprint field over a secret
+// payload field: the stored intent holds a marker in its place.
+func (c *config) checkSecretPairs(field string, pairs []fieldPair) error {
+	for _, p := range pairs {
+		if sp, ok := c.secretOver(p.payload); ok {
+			return fieldErr(field+"."+p.payload.text, "%s is a secret field (secret_fields: %s): the receipt stores "+
+				"a redaction marker in its place, so it cannot be compared", p.payload.text, sp)
+		}
+	}
+	return nil
 }
 
 func compileAuth(a *authYAML, o *options) (*auth, error) {
@@ -505,6 +568,13 @@ func (c *config) compileSearch(s settingsYAML) error {
 	if sc.createdAt, err = c.ptr("search.created_at", sy.CreatedAt); err != nil {
 		return err
 	}
+	sc.maxItems = defaultMaxPageItems
+	if sy.MaxPageItems != 0 {
+		if sy.MaxPageItems < 1 || sy.MaxPageItems > maxMaxPageItems {
+			return fieldErr("search.max_page_items", "want 1 to %d, got %d", maxMaxPageItems, sy.MaxPageItems)
+		}
+		sc.maxItems = sy.MaxPageItems
+	}
 	switch sy.CreatedAtFormat {
 	case "", "rfc3339", "unix", "unix_ms":
 	default:
@@ -548,6 +618,9 @@ func (c *config) compileSearch(s settingsYAML) error {
 		}
 		fc := &fpConfig{drop: f.Drop}
 		if fc.fields, err = c.pairs("match.fingerprint.fields", f.Fields); err != nil {
+			return err
+		}
+		if err := c.checkSecretPairs("match.fingerprint.fields", fc.fields); err != nil {
 			return err
 		}
 		for i, d := range f.Drop {
@@ -726,6 +799,9 @@ func (c *config) compileFetch(s settingsYAML) error {
 			return fieldErr("compare.fields", "is required: payload pointer -> resource pointer")
 		}
 		if c.compare, err = c.pairs("compare.fields", s.Compare.Fields); err != nil {
+			return err
+		}
+		if err := c.checkSecretPairs("compare.fields", c.compare); err != nil {
 			return err
 		}
 	}

@@ -10,6 +10,7 @@ import (
 	"strings"
 	"time"
 
+	"github.com/receiptledger/reconciler/fingerprint"
 	"github.com/receiptledger/reconciler/ledger"
 	"github.com/receiptledger/reconciler/readback"
 )
@@ -165,7 +166,51 @@ func (s *scope) value(ref string) (string, error) {
 	if !ok {
 		return "", fmt.Errorf("{%s}: %w (no %s in the intent's payload)", ref, errMissingField, ptr)
 	}
+	if isSecretMarker(v) {
+		// The stored intent holds a stand-in for a secret field, not the
+		// value the call sent: searching for it finds nothing, and that
+		// nothing would read as an absence.
+		return "", fmt.Errorf("{%s}: %w", ref, errSecretField)
+	}
 	return scalarString(v)
+}
+
+// errSecretField means a template names an intent field that the ledger
+// stored redacted or keyed ("[redacted]", "hmac-sha256:<hex>"): the value
+// the call sent is not in the receipt, so the check cannot render it
+// (permanent: manual_review, never an absence).
+var errSecretField = errors.New("the intent field is secret: the receipt holds a redaction marker, not its value " +
+	"(a readback cannot search for it; name a non-secret field or a marker instead)")
+
+// secretPrefix starts a keyed secret's stand-in in a stored intent.
+const secretPrefix = "hmac-sha256:"
+
+// isSecretMarker reports whether v is a secret field's stand-in in a
+// stored intent: fingerprint.RedactedMarker, or a keyed "hmac-sha256:<hex>".
+func isSecretMarker(v any) bool {
+	s, ok := v.(string)
+	return ok && (s == fingerprint.RedactedMarker || strings.HasPrefix(s, secretPrefix))
+}
+
+// holdsSecretMarker reports whether any value in doc is a secret stand-in.
+func holdsSecretMarker(doc any) bool {
+	switch x := doc.(type) {
+	case map[string]any:
+		for _, v := range x {
+			if holdsSecretMarker(v) {
+				return true
+			}
+		}
+	case []any:
+		for _, v := range x {
+			if holdsSecretMarker(v) {
+				return true
+			}
+		}
+	default:
+		return isSecretMarker(x)
+	}
+	return false
 }
 
 // scalarString renders a JSON scalar as template text.
@@ -181,8 +226,26 @@ func scalarString(v any) (string, error) {
 	return "", fmt.Errorf("%w: want a string, number or boolean, got %s", errMissingField, jsonType(v))
 }
 
-// render expands t. pathEscape escapes every value for a URL path except
-// receipt.target, which is a path itself.
+// escapeTarget escapes the receipt's target (chosen by the agent) as a URL
+// path: its '/' separators are kept and every segment is escaped with
+// url.PathEscape, so a '?', '#' or '%' in it never adds a query parameter,
+// a fragment or an escape; a "." or ".." segment, which would name another
+// resource, is refused. The target is taken as written, never unescaped:
+// "%2F" in it is the three characters, sent as "%252F".
+func escapeTarget(target string) (string, error) {
+	segs := strings.Split(target, "/")
+	for i, seg := range segs {
+		if seg == "." || seg == ".." {
+			return "", fmt.Errorf("{receipt.target} %q has a %q segment: it would name another resource", target, seg)
+		}
+		segs[i] = url.PathEscape(seg)
+	}
+	return strings.Join(segs, "/"), nil
+}
+
+// render expands t. pathEscape escapes every value for a URL path: each one
+// is exactly one segment, but receipt.target, which is a path itself, keeps
+// its '/' separators (escapeTarget).
 func (t template) render(s *scope, pathEscape bool) (string, error) {
 	var b strings.Builder
 	for _, p := range t.parts {
@@ -200,7 +263,12 @@ func (t template) render(s *scope, pathEscape bool) (string, error) {
 			// search for it into a search for nothing: a false absence.
 			v = strings.NewReplacer(`\`, `\\`, `'`, `\'`).Replace(v)
 		}
-		if pathEscape && p.ref != "receipt.target" {
+		switch {
+		case pathEscape && p.ref == "receipt.target":
+			if v, err = escapeTarget(v); err != nil {
+				return "", err
+			}
+		case pathEscape:
 			v = url.PathEscape(v)
 		}
 		b.WriteString(v)
