@@ -37,7 +37,7 @@ func BenchmarkCompute(b *testing.B) {
 	payload := []byte(benchPayload)
 	opts := []Option{
 		WithDrop("/request_id", "/metadata/nonce", "/items/0/ts", "/items/1/ts"),
-		WithSecret("/auth/token"),
+		WithSecret("/auth/token"), WithSecretKey("bench", []byte("0123456789abcdef0123456789abcdef")),
 	}
 	if _, err := Compute("post", "/v1/refunds", payload, opts...); err != nil {
 		b.Fatal(err)

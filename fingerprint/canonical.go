@@ -2,6 +2,10 @@ package fingerprint
 
 import (
 	"cmp"
+	"crypto/hmac"
+	"crypto/sha256"
+	"encoding/hex"
+	"hash"
 	"slices"
 )
 
@@ -9,24 +13,45 @@ import (
 // insignificant whitespace, object members sorted by the UTF-16 code units
 // of their names, strings with the minimal escapes of §3.2.2.2, numbers in
 // ECMAScript form (§3.2.2.3). Dropped members and elements are left out.
-// The byte ranges of secret values are recorded in secrets.
+// A secret value (the outermost, when secrets nest) is written, HMAC'd with
+// mac and replaced by its keyed string; without mac, needKey is set.
 type writer struct {
 	buf      []byte
-	secrets  []span
 	inSecret bool
+	mac      hash.Hash
+	keyID    string
+	needKey  bool
+	sum      [sha256.Size]byte
 }
 
-// span is a byte range of writer.buf.
-type span struct{ start, end int }
+// newMAC returns the HMAC-SHA256 of key.
+func newMAC(key []byte) hash.Hash { return hmac.New(sha256.New, key) }
 
 // value writes n.
 func (w *writer) value(n *node) {
 	if n.secret && !w.inSecret {
+		if w.mac == nil {
+			w.needKey = true
+			return // Compute fails; nothing written is used
+		}
 		w.inSecret = true
 		start := len(w.buf)
 		w.value(n)
-		w.secrets = append(w.secrets, span{start, len(w.buf)})
 		w.inSecret = false
+		end := len(w.buf)
+		w.mac.Reset()
+		w.mac.Write(w.buf[start:])
+		sum := w.mac.Sum(w.sum[:0])
+		w.buf = append(w.buf[:start], '"')
+		w.buf = append(w.buf, KeyedPrefix...)
+		w.buf = append(w.buf, w.keyID...)
+		w.buf = append(w.buf, ':')
+		w.buf = hex.AppendEncode(w.buf, sum)
+		w.buf = append(w.buf, '"')
+		if end > len(w.buf) {
+			// No copy of the real value stays behind in the buffer.
+			clear(w.buf[len(w.buf):end])
+		}
 		return
 	}
 	switch n.kind {
@@ -76,24 +101,6 @@ func (w *writer) value(n *node) {
 		}
 		w.buf = append(w.buf, '}')
 	}
-}
-
-// redacted returns a copy of buf with every secret span replaced by
-// RedactedMarker as a JSON string.
-func (w *writer) redacted() []byte {
-	const marker = `"` + RedactedMarker + `"`
-	size := len(w.buf)
-	for _, s := range w.secrets {
-		size += len(marker) - (s.end - s.start)
-	}
-	out := make([]byte, 0, size)
-	at := 0
-	for _, s := range w.secrets { // in output order: spans never nest
-		out = append(out, w.buf[at:s.start]...)
-		out = append(out, marker...)
-		at = s.end
-	}
-	return append(out, w.buf[at:]...)
 }
 
 // compareUTF16 compares two valid UTF-8 strings by their UTF-16 code units,

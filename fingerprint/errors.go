@@ -46,7 +46,8 @@ var (
 
 	// ErrInvalidPointer reports a drop or secret field that is not a
 	// syntactically valid RFC 6901 JSON pointer, or a drop of the whole
-	// payload. A valid pointer that resolves to nothing is not an error.
+	// payload. A valid drop pointer that resolves to nothing is not an
+	// error; a secret one is (ErrSecretNotFound).
 	ErrInvalidPointer = errors.New("fingerprint: invalid JSON pointer")
 
 	// ErrInvalidMethod reports a method that is empty or not an HTTP token
@@ -55,6 +56,20 @@ var (
 
 	// ErrInvalidTarget reports a target that is empty or not valid UTF-8.
 	ErrInvalidTarget = errors.New("fingerprint: invalid target")
+
+	// ErrSecretNotFound reports a secret field (WithSecret) whose pointer
+	// resolves to nothing in the payload: a misspelled or misplaced
+	// pointer would otherwise leave the real value in the stored intent.
+	ErrSecretNotFound = errors.New("fingerprint: secret field not found")
+
+	// ErrSecretKeyRequired reports an intent with a secret field computed
+	// without WithSecretKey: a secret value is never hashed without a key.
+	ErrSecretKeyRequired = errors.New("fingerprint: a secret key is required for secret fields")
+
+	// ErrInvalidSecretKey reports a secret key shorter than
+	// MinSecretKeyBytes, a key text that is not hex or base64, or a
+	// malformed key id.
+	ErrInvalidSecretKey = errors.New("fingerprint: invalid secret key")
 )
 
 // maxErrorText bounds how much caller-supplied text (a key, a number, a

@@ -9,9 +9,12 @@
 //
 // Any language with an RFC 8785 implementation reproduces it. Normalization
 // drops volatile fields (timestamps, nonces, request ids) named by JSON
-// pointers. Secret fields, also named by JSON pointers, are covered by the
-// fingerprint with their real value but replaced by RedactedMarker in the
-// intent returned for storage.
+// pointers. Secret fields, also named by JSON pointers, are replaced before
+// canonicalization by "hmac-sha256:<key id>:<hex>", an HMAC-SHA256 of their
+// canonical value under a key the deployment holds (WithSecretKey), in the
+// fingerprint and in the intent returned for storage alike; an intent
+// without secret fields keeps the plain RFC 8785 fingerprint. See
+// WithSecretKey and secretkey.go for what another language must do.
 //
 // Fingerprinting is stricter than RFC 8785. JSON numbers are IEEE 754 doubles
 // under RFC 8785, so 9007199254740993 canonicalizes to 9007199254740992 and
@@ -43,8 +46,10 @@ import (
 // WithMaxBytes sets another: 1 MiB.
 const DefaultMaxBytes = 1 << 20
 
-// RedactedMarker is the JSON string that replaces the value of every secret
-// field in Result.Intent.
+// RedactedMarker is the JSON string that replaced the value of every secret
+// field in the stored intent of receipts planned before secret values were
+// keyed (see WithSecretKey). Compute no longer produces it; HasSecrets
+// recognizes it.
 const RedactedMarker = "[redacted]"
 
 // Prefix starts every fingerprint; 64 lowercase hexadecimal digits follow.
@@ -53,13 +58,14 @@ const Prefix = "sha256:"
 // Result is the outcome of Compute.
 type Result struct {
 	// Fingerprint is Prefix followed by the lowercase hexadecimal SHA-256 of
-	// the canonical intent with real secret values.
+	// Intent.
 	Fingerprint string
 
 	// Intent is the RFC 8785 canonical JSON of the normalized intent,
 	// {"method":…,"payload":…,"target":…}, with volatile fields dropped and
-	// secret fields replaced by RedactedMarker. It is what may be stored.
-	// When no secret field is present, its SHA-256 is the fingerprint.
+	// the value of each secret field replaced by its keyed string
+	// "hmac-sha256:<key id>:<hex>". It is what may be stored, and its
+	// SHA-256 is the fingerprint.
 	Intent []byte
 }
 
@@ -71,6 +77,10 @@ type settings struct {
 	drop     []string
 	secret   []string
 	maxBytes int
+	// keyID and key are set by WithSecretKey (keySet).
+	keyID  string
+	key    []byte
+	keySet bool
 	// pointers is the initial storage of drop and secret: cfg escapes to
 	// the heap through the option calls, so a few pointers cost nothing more.
 	pointers [8]string
@@ -88,11 +98,15 @@ func WithDrop(pointers ...string) Option {
 }
 
 // WithSecret names secret fields, by RFC 6901 JSON pointer into the payload.
-// The fingerprint covers their real value; Result.Intent holds RedactedMarker
-// in their place. "" redacts the whole payload. A pointer that resolves to
-// nothing is ignored; a malformed one makes Compute fail with
-// ErrInvalidPointer. A field both dropped and secret is dropped. The option
-// may be given several times.
+// Each one's value is replaced, in the fingerprint and in Result.Intent, by
+// its keyed string "hmac-sha256:<key id>:<hex>" (see WithSecretKey, which
+// is then required: ErrSecretKeyRequired). "" makes the whole payload
+// secret. A pointer that resolves to nothing makes Compute fail with
+// ErrSecretNotFound (a misspelled pointer must not leave the value in
+// clear); a malformed one with ErrInvalidPointer. A field both dropped and
+// secret is dropped; a secret field inside another is covered by the outer
+// one's HMAC. The option may be given several times. Errors about a value
+// at or inside a secret field never quote the value.
 func WithSecret(pointers ...string) Option {
 	return func(s *settings) { s.secret = append(s.secret, pointers...) }
 }
@@ -113,8 +127,11 @@ func WithMaxBytes(n int) Option {
 // numbers that are out of range or not exactly representable
 // (ErrNumberRange, ErrNumberPrecision), payloads over the size limit
 // (ErrTooLarge) or nested too deeply (ErrTooDeep), malformed pointers
-// (ErrInvalidPointer), a method that is not an HTTP token
-// (ErrInvalidMethod), and an empty or non-UTF-8 target (ErrInvalidTarget).
+// (ErrInvalidPointer), a secret pointer that matches nothing
+// (ErrSecretNotFound), a secret field without a key (ErrSecretKeyRequired)
+// or a malformed key (ErrInvalidSecretKey), a method that is not an HTTP
+// token (ErrInvalidMethod), and an empty or non-UTF-8 target
+// (ErrInvalidTarget).
 func Compute(method, target string, payload []byte, opts ...Option) (Result, error) {
 	cfg := settings{maxBytes: DefaultMaxBytes}
 	cfg.drop, cfg.secret = cfg.pointers[:0:4], cfg.pointers[4:4:8]
@@ -126,6 +143,11 @@ func Compute(method, target string, payload []byte, opts ...Option) (Result, err
 
 	if err := checkMethod(method); err != nil {
 		return Result{}, err
+	}
+	if cfg.keySet {
+		if err := checkSecretKey(cfg.keyID, cfg.key); err != nil {
+			return Result{}, err
+		}
 	}
 	if target == "" {
 		return Result{}, fmt.Errorf("%w: empty", ErrInvalidTarget)
@@ -152,6 +174,7 @@ func Compute(method, target string, payload []byte, opts ...Option) (Result, err
 
 	p := getParser()
 	defer p.release()
+	p.secretPointers = cfg.secret
 	root, err := p.parse(payload, true)
 	if err != nil {
 		return Result{}, err
@@ -163,16 +186,23 @@ func Compute(method, target string, payload []byte, opts ...Option) (Result, err
 		}
 	}
 	for _, ptr := range cfg.secret {
-		if n := resolvePointer(root, ptr); n != nil && !n.drop {
+		n := resolvePointer(root, ptr)
+		if n == nil {
+			return Result{}, fmt.Errorf("%w: %s matches nothing in the payload; fix the pointer, or leave it out for calls without that field",
+				ErrSecretNotFound, quoteForError(ptr))
+		}
+		if !n.drop {
 			n.secret = true
 		}
 	}
 
-	// The canonical intent with real values, written once; the byte ranges
-	// of secret values are noted on the way so that the redacted intent is a
-	// copy with those ranges replaced.
-	w := writer{buf: make([]byte, 0, len(payload)+len(method)+len(target)+32), secrets: p.spans[:0]}
-	defer func() { p.spans = w.secrets[:0] }()
+	// The canonical intent, written once; each secret value is written,
+	// HMAC'd and replaced by its keyed string on the way.
+	w := writer{buf: make([]byte, 0, len(payload)+len(method)+len(target)+32)}
+	if cfg.keySet {
+		w.keyID = cfg.keyID
+		w.mac = newMAC(cfg.key)
+	}
 	w.buf = append(w.buf, `{"method":"`...)
 	for i := 0; i < len(method); i++ {
 		c := method[i]
@@ -186,16 +216,16 @@ func Compute(method, target string, payload []byte, opts ...Option) (Result, err
 	w.buf = append(w.buf, `,"target":`...)
 	w.buf = appendString(w.buf, target)
 	w.buf = append(w.buf, '}')
+	if w.needKey {
+		return Result{}, fmt.Errorf("%w: the payload has secret fields (%s); configure the deployment's key (%s)",
+			ErrSecretKeyRequired, quoteForError(strings.Join(cfg.secret, " ")), SecretKeyEnv)
+	}
 
 	sum := sha256.Sum256(w.buf)
 	var fp [len(Prefix) + 2*sha256.Size]byte
 	copy(fp[:], Prefix)
 	hex.Encode(fp[len(Prefix):], sum[:])
-	res := Result{Fingerprint: string(fp[:]), Intent: w.buf}
-	if len(w.secrets) > 0 {
-		res.Intent = w.redacted()
-	}
-	return res, nil
+	return Result{Fingerprint: string(fp[:]), Intent: w.buf}, nil
 }
 
 // Canonicalize returns the RFC 8785 canonical form of the JSON text data.

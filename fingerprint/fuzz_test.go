@@ -35,6 +35,7 @@ var fuzzSeeds = []string{
 var allSentinels = []error{
 	ErrInvalidJSON, ErrInvalidUTF8, ErrDuplicateKey, ErrNumberRange, ErrNumberPrecision,
 	ErrTooLarge, ErrTooDeep, ErrInvalidPointer, ErrInvalidMethod, ErrInvalidTarget,
+	ErrSecretNotFound, ErrSecretKeyRequired, ErrInvalidSecretKey,
 }
 
 func isSentinel(err error) bool {

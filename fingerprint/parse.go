@@ -75,7 +75,9 @@ type parser struct {
 	memberArena []member // slab the finished members slices are carved from
 	scratch     []byte   // decoding buffer for strings with escapes
 	numBuf      [32]byte // canonical form of the number being checked
-	spans       []span   // recycled writer.secrets
+	// secretPointers are Compute's secret fields (valid pointers are not
+	// required): an error about a value at or inside one never quotes it.
+	secretPointers []string
 }
 
 // parse validates data as one I-JSON text and returns its tree. In strict
@@ -114,7 +116,6 @@ func (p *parser) release() {
 		p.scratch = nil
 	}
 	*p = parser{
-		spans: p.spans[:0],
 		nodes: p.nodes[:0], elemArena: p.elemArena[:0], memberArena: p.memberArena[:0],
 		memberStack: p.memberStack[:0], elemStack: p.elemStack[:0], path: p.path[:0], scratch: p.scratch[:0],
 	}
@@ -176,12 +177,60 @@ func (p *parser) syntaxError(context string) error {
 	if p.pos >= len(p.src) {
 		return fmt.Errorf("%w: unexpected end of input", ErrInvalidJSON)
 	}
+	if ptr, ok := p.secretAt(p.path); ok {
+		return fmt.Errorf("%w: invalid character (not shown) in the secret field %s at byte offset %d",
+			ErrInvalidJSON, quoteForError(ptr), p.pos)
+	}
 	r, _ := utf8.DecodeRuneInString(p.src[p.pos:])
 	return fmt.Errorf("%w: invalid character %s %s at byte offset %d", ErrInvalidJSON, strconv.QuoteRune(r), context, p.pos)
 }
 
 // where renders the location of the value being parsed.
 func (p *parser) where() string { return whereTokens(p.path) }
+
+// secretAt reports whether path is at or inside one of p.secretPointers,
+// and which. It runs only when an error is reported.
+func (p *parser) secretAt(path []pathToken) (string, bool) {
+	for _, ptr := range p.secretPointers {
+		if validatePointer(ptr) != nil {
+			continue
+		}
+		if pointerCovers(ptr, path) {
+			return ptr, true
+		}
+	}
+	return "", false
+}
+
+// pointerCovers reports whether the valid pointer ptr names path or one of
+// its ancestors.
+func pointerCovers(ptr string, path []pathToken) bool {
+	i := 0
+	for ptr != "" {
+		ptr = ptr[1:]
+		tok := ptr
+		if j := strings.IndexByte(ptr, '/'); j >= 0 {
+			tok, ptr = ptr[:j], ptr[j:]
+		} else {
+			ptr = ""
+		}
+		if i >= len(path) {
+			return false
+		}
+		if strings.IndexByte(tok, '~') >= 0 {
+			tok = unescapeToken(tok)
+		}
+		if t := path[i]; t.index >= 0 {
+			if n, ok := arrayIndex(tok); !ok || n != t.index {
+				return false
+			}
+		} else if t.name != tok {
+			return false
+		}
+		i++
+	}
+	return true
+}
 
 // whereTokens renders a location given as path tokens for an error message.
 func whereTokens(path []pathToken) string {
@@ -508,6 +557,9 @@ func isHex(c byte) bool {
 }
 
 func (p *parser) loneSurrogateError(esc string) error {
+	if ptr, ok := p.secretAt(p.path); ok {
+		return fmt.Errorf("%w: string escapes a lone UTF-16 surrogate in the secret field %s", ErrInvalidUTF8, quoteForError(ptr))
+	}
 	return fmt.Errorf("%w: string escapes a lone UTF-16 surrogate %s %s", ErrInvalidUTF8, esc, p.where())
 }
 
@@ -598,6 +650,9 @@ func (p *parser) object() (*node, error) {
 			return nil, p.loneSurrogateError(lone)
 		}
 		if isDuplicate(p.memberStack[base:], &seen, name) {
+			if ptr, ok := p.secretAt(p.path[:top]); ok {
+				return nil, fmt.Errorf("%w: a name appears twice in the secret field %s", ErrDuplicateKey, quoteForError(ptr))
+			}
 			return nil, fmt.Errorf("%w: %s appears twice %s", ErrDuplicateKey, quoteForError(name), whereTokens(p.path[:top]))
 		}
 		p.skipSpace()
@@ -672,6 +727,9 @@ func (p *parser) numberValue(text string) (float64, error) {
 	}
 	f, err := parseNumber(text)
 	if err != nil {
+		if ptr, ok := p.secretAt(p.path); ok {
+			return 0, fmt.Errorf("%w: a number in the secret field %s (value not shown)", err, quoteForError(ptr))
+		}
 		return 0, fmt.Errorf("%w: %s %s", err, quoteForError(text), p.where())
 	}
 	if !p.strict {
@@ -680,6 +738,10 @@ func (p *parser) numberValue(text string) (float64, error) {
 	canonical := appendNumber(p.numBuf[:0], f)
 	if string(canonical) == text || sameValue(text, string(canonical)) {
 		return f, nil
+	}
+	if ptr, ok := p.secretAt(p.path); ok {
+		return 0, fmt.Errorf("%w: a number in the secret field %s (value not shown) would be canonicalized as a different value; send it as a string or in minor units",
+			ErrNumberPrecision, quoteForError(ptr))
 	}
 	return 0, fmt.Errorf("%w: %s %s would be canonicalized as %s, a different value; send it as a string or in minor units",
 		ErrNumberPrecision, quoteForError(text), p.where(), canonical)

@@ -2,6 +2,7 @@ package fingerprint
 
 import (
 	"bytes"
+	"crypto/hmac"
 	"crypto/sha256"
 	"encoding/hex"
 	"errors"
@@ -18,10 +19,16 @@ import (
 	"github.com/gowebpki/jcs"
 )
 
+// refKeyID and refKey are the secret key of the reference tests.
+const refKeyID = "ref-1"
+
+var refKey = []byte("0123456789abcdef0123456789abcdef")
+
 // refCompute is Compute as this package computed it before it wrote the
 // canonical form itself: the encoding/json based parser (refParse), a compact
-// serialization in input order, and jcs.Transform, once for the fingerprint
-// and once more for the redacted intent. method must be valid.
+// serialization in input order, and jcs.Transform; each secret value is
+// replaced by the HMAC (under refKey) of its own jcs.Transform form.
+// method must be valid.
 func refCompute(method, target string, payload []byte, drops, secrets []string) (Result, error) {
 	root, err := refParse(payload, true)
 	if err != nil {
@@ -36,29 +43,39 @@ func refCompute(method, target string, payload []byte, drops, secrets []string) 
 			n.drop = true
 		}
 	}
-	redacted := false
 	for _, ptr := range secrets {
 		tokens, err := parsePointer(ptr)
 		if err != nil {
 			return Result{}, err
 		}
-		if n := refResolve(root, tokens); n != nil && !n.drop {
+		n := refResolve(root, tokens)
+		if n == nil {
+			return Result{}, ErrSecretNotFound
+		}
+		if !n.drop {
 			n.secret = true
-			redacted = true
 		}
 	}
-	full, err := refCanonicalIntent(strings.ToUpper(method), target, root, false)
+	full, err := refCanonicalIntent(strings.ToUpper(method), target, root, true)
 	if err != nil {
 		return Result{}, err
 	}
 	sum := sha256.Sum256(full)
-	res := Result{Fingerprint: Prefix + hex.EncodeToString(sum[:]), Intent: full}
-	if redacted {
-		if res.Intent, err = refCanonicalIntent(strings.ToUpper(method), target, root, true); err != nil {
-			return Result{}, err
-		}
+	return Result{Fingerprint: Prefix + hex.EncodeToString(sum[:]), Intent: full}, nil
+}
+
+// refKeyed is the keyed string of a secret value: HMAC-SHA256 under refKey
+// of the value's RFC 8785 form, computed by jcs.Transform.
+func refKeyed(n *node) string {
+	var buf bytes.Buffer
+	refWriteNode(&buf, n, false)
+	canon, err := jcs.Transform(buf.Bytes())
+	if err != nil {
+		panic(err)
 	}
-	return res, nil
+	mac := hmac.New(sha256.New, refKey)
+	mac.Write(canon)
+	return KeyedPrefix + refKeyID + ":" + hex.EncodeToString(mac.Sum(nil))
 }
 
 // refResolve is the resolver that went with refCompute.
@@ -105,7 +122,7 @@ func refCanonicalIntent(method, target string, payload *node, redact bool) ([]by
 
 func refWriteNode(buf *bytes.Buffer, n *node, redact bool) {
 	if redact && n.secret {
-		refWriteString(buf, RedactedMarker)
+		refWriteString(buf, refKeyed(n))
 		return
 	}
 	switch n.kind {
@@ -273,7 +290,7 @@ func checkComputeAgainstReference(t *testing.T, data []byte, sel uint8) {
 	if sel&0x80 != 0 {
 		secrets = append(secrets, "")
 	}
-	got, err := Compute("post", "/ref", data, WithDrop(drops...), WithSecret(secrets...), WithMaxBytes(0))
+	got, err := Compute("post", "/ref", data, WithDrop(drops...), WithSecret(secrets...), WithMaxBytes(0), WithSecretKey(refKeyID, refKey))
 	want, refErr := refCompute("post", "/ref", data, drops, secrets)
 	switch {
 	case (err == nil) != (refErr == nil) || sentinelOf(err) != sentinelOf(refErr):
@@ -450,7 +467,7 @@ func TestPooledParsersDoNotLeak(t *testing.T) {
 					t.Errorf("Canonicalize(%q) = %q, %v; want %q, %v", inputs[i], out, err, want[i].canon, want[i].canonErr)
 					return
 				}
-				res, err := Compute("PUT", "/p", []byte(inputs[i]), WithDrop("/a"), WithSecret("/b"), WithMaxBytes(0))
+				res, err := Compute("PUT", "/p", []byte(inputs[i]), WithDrop("/a"), WithSecret("/b"), WithMaxBytes(0), WithSecretKey(refKeyID, refKey))
 				if sentinelOf(err) != want[i].resErr || res.Fingerprint != want[i].res.Fingerprint || !bytes.Equal(res.Intent, want[i].res.Intent) {
 					t.Errorf("Compute(%q) = %v, %v; want %v, %v", inputs[i], res, err, want[i].res, want[i].resErr)
 					return

@@ -3,9 +3,15 @@ package ledger
 import (
 	"errors"
 	"fmt"
+	"net/http"
+	"net/url"
+	"strconv"
+	"strings"
+	"unicode/utf8"
 
 	"github.com/jackc/pgx/v5/pgconn"
 
+	"github.com/receiptledger/reconciler/internal/redact"
 	"github.com/receiptledger/reconciler/statemachine"
 )
 
@@ -111,4 +117,65 @@ func pgCode(err error) (string, *pgconn.PgError) {
 		return pe.Code, pe
 	}
 	return "", nil
+}
+
+// safeErrorText renders err, from sending req, for the database and logs
+// (Caller.Do records it in receipt_events.error and the OutcomeError shows
+// it): a *url.Error's URL is cut to its origin (scheme and host: no user
+// info, path, query or fragment; the receipt's target column already says
+// which path, and a path may be the secret, a webhook's), and every form of
+// every credential req carries is removed (see redactRequestText). The text
+// is bounded after redaction, so a cut never leaves part of a credential.
+func safeErrorText(err error, req *http.Request) string {
+	if err == nil {
+		return ""
+	}
+	msg := err.Error()
+	var ue *url.Error
+	if errors.As(err, &ue) {
+		msg = ue.Op + " " + strconv.Quote(urlOrigin(ue.URL)) + ": " + ue.Err.Error()
+	}
+	return redactRequestText(msg, req)
+}
+
+// redactRequestText removes from msg every form (raw, Basic, base64, URL-
+// and percent-encoded, JSON-escaped) of the credentials req carries: the
+// values of its credential headers (Authorization, Proxy-Authorization,
+// Cookie, and any header named like a key, token, secret, password,
+// signature, session or auth), its URL's user info, query and query values,
+// and its path and path segments (always: Caller.Do cannot tell a secret
+// path from another, and the path is recorded in the target column
+// anyway), and bounds the result. Use it on any text recorded from a call:
+// a Classify override's Verdict.Message, an ExternalID error, an error
+// excerpt of a response body.
+func redactRequestText(msg string, req *http.Request) string {
+	if req != nil {
+		msg = redact.ForRequest(req, true).String(msg)
+		if req.URL != nil {
+			// Any copy of the full URL left (its path was redacted
+			// already when long enough to be a credential) loses
+			// everything past its origin.
+			if full := req.URL.String(); len(full) > 0 {
+				msg = strings.ReplaceAll(msg, full, urlOrigin(full))
+			}
+		}
+	}
+	if len(msg) > maxMessageBytes {
+		cut := maxMessageBytes
+		for cut > 0 && !utf8.RuneStart(msg[cut]) {
+			cut--
+		}
+		msg = msg[:cut] + "…"
+	}
+	return msg
+}
+
+// urlOrigin returns the scheme and host of raw, "[unparseable URL]" when it
+// does not parse.
+func urlOrigin(raw string) string {
+	u, err := url.Parse(raw)
+	if err != nil {
+		return "[unparseable URL]"
+	}
+	return (&url.URL{Scheme: u.Scheme, Host: u.Host}).String()
 }

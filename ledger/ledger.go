@@ -47,6 +47,8 @@ const (
 type Client struct {
 	pool  *pgxpool.Pool
 	actor statemachine.Actor
+	// secretKey keys the fingerprint of secret fields (WithSecretKey).
+	secretKey fingerprint.Option
 }
 
 // New returns a client that writes as actor ("agent:<id>").
@@ -61,7 +63,7 @@ func New(pool *pgxpool.Pool, actor string) (*Client, error) {
 // As returns a client on the same pool that writes as actor. The reconciler
 // and review tools use it; the actor is checked on every move.
 func (c *Client) As(actor statemachine.Actor) *Client {
-	return &Client{pool: c.pool, actor: actor}
+	return &Client{pool: c.pool, actor: actor, secretKey: c.secretKey}
 }
 
 // Pool returns the pool the client writes through.
@@ -87,8 +89,11 @@ type Intent struct {
 	// Drop names volatile payload fields (timestamps, nonces, request ids)
 	// left out of the fingerprint, as RFC 6901 JSON pointers.
 	Drop []string
-	// Secret names payload fields the fingerprint covers but the stored
-	// intent redacts, as JSON pointers.
+	// Secret names payload fields, as JSON pointers, whose values are
+	// stored and fingerprinted only as "hmac-sha256:<key id>:<hex>" under
+	// the client's secret key (see Client.WithSecretKey, required for an
+	// intent with secret fields). A pointer that matches nothing is refused
+	// (ErrInvalidIntent wrapping fingerprint.ErrSecretNotFound).
 	Secret []string
 	// AllowDuplicate opts out of the duplicate guard: plan even when the
 	// same intent is unresolved in another receipt.
@@ -117,7 +122,8 @@ type Receipt struct {
 	Method         string
 	Target         string
 	Fingerprint    string
-	// Intent is the normalized payload with secret fields redacted.
+	// Intent is the normalized intent with each secret field's value
+	// replaced by its keyed string (see Intent.Secret).
 	Intent     json.RawMessage
 	State      statemachine.State
 	ExternalID string
@@ -281,7 +287,7 @@ func (c *Client) Plan(ctx context.Context, in Intent) (*Receipt, error) {
 	if err := checkFirstKey(in.IdempotencyKey); err != nil {
 		return nil, err
 	}
-	fp, err := intentFingerprint(in)
+	fp, err := intentFingerprint(in, c.secretKey)
 	if err != nil {
 		return nil, err
 	}
@@ -312,14 +318,15 @@ func sendDelay(in Intent) time.Duration {
 	return in.MaxSendDelay
 }
 
-// intentFingerprint computes the fingerprint plan records.
-func intentFingerprint(in Intent) (fingerprint.Result, error) {
+// intentFingerprint computes the fingerprint plan records; key is the
+// client's secret key option (nil without one).
+func intentFingerprint(in Intent, key fingerprint.Option) (fingerprint.Result, error) {
 	payload := in.Payload
 	if len(payload) == 0 {
 		payload = json.RawMessage(`{}`)
 	}
 	fp, err := fingerprint.Compute(in.Method, in.Target, payload,
-		fingerprint.WithDrop(in.Drop...), fingerprint.WithSecret(in.Secret...))
+		fingerprint.WithDrop(in.Drop...), fingerprint.WithSecret(in.Secret...), key)
 	if err != nil {
 		return fp, fmt.Errorf("ledger: plan %s: %w: %w", in.IdempotencyKey, ErrInvalidIntent, err)
 	}
@@ -526,7 +533,7 @@ func (c *Client) Retry(ctx context.Context, prev *Receipt, in Intent) (*Receipt,
 	if err := checkIntent(in); err != nil {
 		return nil, err
 	}
-	fp, err := intentFingerprint(in)
+	fp, err := intentFingerprint(in, c.secretKey)
 	if err != nil {
 		return nil, err
 	}
@@ -580,4 +587,37 @@ func (c *Client) History(ctx context.Context, id int64) ([]Event, error) {
 		}
 	}
 	return events, nil
+}
+
+// WithSecretKey returns a client like c whose fingerprints key the values
+// of secret fields (Intent.Secret) with HMAC-SHA256 under key, recorded
+// with keyID in every keyed value (see fingerprint.WithSecretKey); the
+// deployment's key is read by SecretKeyFromEnv. Without a key, Plan and
+// Caller.Do refuse an intent with secret fields (ErrInvalidIntent wrapping
+// fingerprint.ErrSecretKeyRequired). Rotating the key changes the
+// fingerprint of intents with secret fields: the duplicate guard does not
+// match a receipt planned under the previous key, and Retry refuses a
+// retry of one (ErrInvalidIntent); rotate when no receipt with secret
+// fields is unresolved.
+func (c *Client) WithSecretKey(keyID string, key []byte) (*Client, error) {
+	opt := fingerprint.WithSecretKey(keyID, key)
+	if _, err := fingerprint.Compute("GET", "/", []byte(`{}`), opt); err != nil {
+		return nil, fmt.Errorf("ledger: %w", err)
+	}
+	return &Client{pool: c.pool, actor: c.actor, secretKey: opt}, nil
+}
+
+// SecretKeyFromEnv returns c with the deployment's secret key
+// (RECONCILER_SECRET_KEY, hex or base64, at least 32 bytes, and
+// RECONCILER_SECRET_KEY_ID; see fingerprint.SecretKeyFromEnv) when it is
+// set, and c itself when it is not; a malformed key is an error.
+func (c *Client) SecretKeyFromEnv(getenv func(string) string) (*Client, error) {
+	id, key, ok, err := fingerprint.SecretKeyFromEnv(getenv)
+	if err != nil {
+		return nil, fmt.Errorf("ledger: %w", err)
+	}
+	if !ok {
+		return c, nil
+	}
+	return c.WithSecretKey(id, key)
 }

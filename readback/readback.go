@@ -17,6 +17,8 @@ import (
 	"errors"
 	"fmt"
 	"time"
+
+	"github.com/receiptledger/reconciler/internal/redact"
 )
 
 // Kind is the kind of operation a receipt performed. It decides how an
@@ -195,4 +197,56 @@ func Classify(err error) (ErrorClass, time.Duration) {
 		return e.Class, max(e.RetryAfter, 0)
 	}
 	return Transient, 0
+}
+
+// RedactError returns err with every form of the credentials r knows (see
+// package internal/redact: raw, Basic, base64, URL- and percent-encoded,
+// JSON-escaped) removed from its text. An err whose text holds none is
+// returned as is. Otherwise the result's Error is the redacted text and it
+// keeps err's classification (Classify sees an *Error with the same class
+// and pause, whose own text is redacted too), but nothing else of err's
+// chain, so that no caller can reach the unredacted text through Unwrap.
+// Adapters call it on every error they return (the reconciler stores
+// Error() in readback_checks and history and logs it).
+func RedactError(err error, r *redact.Redactor) error {
+	if err == nil || r.Empty() {
+		return err
+	}
+	text := err.Error()
+	red := r.String(text)
+	if red == text {
+		return err
+	}
+	out := &redactedError{text: red}
+	var e *Error
+	if errors.As(err, &e) {
+		inner := ""
+		if e.Err != nil {
+			inner = r.String(e.Err.Error())
+		}
+		out.class = &Error{Class: e.Class, RetryAfter: e.RetryAfter, Err: errors.New(inner)}
+	}
+	return out
+}
+
+// RedactText returns s with every form of the credentials r knows removed
+// (r may be nil). Redact before cutting s to a length: a cut can split a
+// credential so that no form of it matches any more.
+func RedactText(s string, r *redact.Redactor) string { return r.String(s) }
+
+// redactedError is an error whose text was redacted; class, when set,
+// carries the classification of the error it replaces.
+type redactedError struct {
+	text  string
+	class *Error
+}
+
+func (e *redactedError) Error() string { return e.text }
+
+// Unwrap returns the redacted classification, or nil.
+func (e *redactedError) Unwrap() error {
+	if e.class == nil {
+		return nil
+	}
+	return e.class
 }

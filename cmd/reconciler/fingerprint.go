@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"io"
 	"math"
+	"os"
 	"strings"
 
 	"github.com/urfave/cli/v2"
@@ -25,14 +26,18 @@ func fingerprintCommand() *cli.Command {
 	return &cli.Command{
 		Name:  "fingerprint",
 		Usage: "print the intent fingerprint of the JSON payload read from stdin",
-		UsageText: "reconciler fingerprint --method M --target T [--drop /pointer ...] [--secret /pointer ...] [--max-bytes N] < payload.json\n" +
+		UsageText: "reconciler fingerprint --method M --target T [--drop /pointer ...] [--secret /pointer ... [--secret-key-env NAME] [--secret-key-id ID]] [--max-bytes N] < payload.json\n" +
 			"reconciler fingerprint canonicalize < doc.json",
 		Description: "Prints sha256:<64 hex>, the SHA-256 of the RFC 8785 canonical JSON of\n" +
 			`{"method": UPPER(M), "target": T, "payload": payload}` + ", followed by a newline.\n" +
 			"--drop leaves a volatile field (RFC 6901 JSON pointer into the payload) out of the\n" +
-			"fingerprint; --secret marks a field whose value is stored redacted (the fingerprint\n" +
-			"still covers it; it makes no difference to the printed fingerprint). Both may repeat;\n" +
-			"a pointer that matches nothing is ignored. Numbers that RFC 8785 would round\n" +
+			"fingerprint (a pointer that matches nothing is ignored); --secret marks a field whose\n" +
+			"value is replaced, before canonicalization, by \"hmac-sha256:<key id>:<hex>\", the\n" +
+			"HMAC-SHA256 of its RFC 8785 form under the deployment's key, read from the environment\n" +
+			"variable --secret-key-env names (RECONCILER_SECRET_KEY: hex or base64, at least 32\n" +
+			"bytes) with the id --secret-key-id (default: RECONCILER_SECRET_KEY_ID, else derived\n" +
+			"from the key). A secret field without a key, or a secret pointer that matches nothing,\n" +
+			"is refused. Both flags may repeat. Numbers that RFC 8785 would round\n" +
 			"(9007199254740993, 0.10000000000000001), duplicate keys and invalid UTF-8 are refused.\n" +
 			"Exit status: 0 success, 1 refused input, 2 usage error.",
 		Flags: []cli.Flag{
@@ -40,6 +45,8 @@ func fingerprintCommand() *cli.Command {
 			&cli.StringFlag{Name: "target", Usage: "target of the call, e.g. the request path"},
 			&cli.GenericFlag{Name: "drop", Usage: "JSON pointer of a volatile field to leave out (repeatable)", Value: &pointerList{}},
 			&cli.GenericFlag{Name: "secret", Usage: "JSON pointer of a secret field (repeatable)", Value: &pointerList{}},
+			&cli.StringFlag{Name: "secret-key-env", Usage: "environment variable holding the secret key (hex or base64, >= 32 bytes)", Value: fingerprint.SecretKeyEnv},
+			&cli.StringFlag{Name: "secret-key-id", Usage: "key id recorded in keyed values (default $" + fingerprint.SecretKeyIDEnv + ", else derived from the key)"},
 			&cli.IntFlag{Name: "max-bytes", Usage: "largest payload accepted, in bytes; 0 for no limit", Value: fingerprint.DefaultMaxBytes},
 		},
 		HideHelpCommand: true,
@@ -86,21 +93,52 @@ func runFingerprint(c *cli.Context) error {
 		// report that truncated length as the payload's size.
 		return cli.Exit(fmt.Sprintf("%v: more than %d bytes on stdin (see --max-bytes)", fingerprint.ErrTooLarge, maxBytes), exitBadInput)
 	}
+	keyOpt, err := secretKeyOption(c)
+	if err != nil {
+		return cli.Exit("fingerprint: "+err.Error(), exitUsage)
+	}
 	res, err := fingerprint.Compute(method, target, payload,
 		fingerprint.WithDrop(pointers(c, "drop")...),
 		fingerprint.WithSecret(pointers(c, "secret")...),
 		fingerprint.WithMaxBytes(maxBytes),
+		keyOpt,
 	)
 	if err != nil {
 		code := exitBadInput
 		if errors.Is(err, fingerprint.ErrInvalidMethod) || errors.Is(err, fingerprint.ErrInvalidTarget) ||
-			errors.Is(err, fingerprint.ErrInvalidPointer) {
+			errors.Is(err, fingerprint.ErrInvalidPointer) || errors.Is(err, fingerprint.ErrSecretKeyRequired) ||
+			errors.Is(err, fingerprint.ErrInvalidSecretKey) {
 			code = exitUsage
 		}
 		return cli.Exit(err.Error(), code)
 	}
 	_, err = fmt.Fprintln(c.App.Writer, res.Fingerprint)
 	return err
+}
+
+// secretKeyOption reads the key --secret-key-env names, when set, as the
+// fingerprint option; nil when the variable is unset or empty.
+func secretKeyOption(c *cli.Context) (fingerprint.Option, error) {
+	name := c.String("secret-key-env")
+	getenv := func(k string) string {
+		switch k {
+		case fingerprint.SecretKeyEnv:
+			return os.Getenv(name)
+		case fingerprint.SecretKeyIDEnv:
+			if id := c.String("secret-key-id"); id != "" {
+				return id
+			}
+		}
+		return os.Getenv(k)
+	}
+	id, key, ok, err := fingerprint.SecretKeyFromEnv(getenv)
+	if err != nil {
+		return nil, fmt.Errorf("%s: %w", name, err)
+	}
+	if !ok {
+		return nil, nil
+	}
+	return fingerprint.WithSecretKey(id, key), nil
 }
 
 func runCanonicalize(c *cli.Context) error {

@@ -56,9 +56,9 @@ func TestFingerprintCommand(t *testing.T) {
 			stdout: goldenFingerprint + "\n",
 		},
 		{
-			name:   "volatile and secret fields",
+			name:   "volatile fields",
 			stdin:  `{"request_id":"r-9","amount":1e2,"meta":{"nonce":"x"},"currency":"EUR"}`,
-			args:   []string{"--method", "POST", "--target", "/v1/refunds", "--drop", "/request_id", "--drop=/meta", "--secret", "/currency"},
+			args:   []string{"--method", "POST", "--target", "/v1/refunds", "--drop", "/request_id", "--drop=/meta"},
 			stdout: goldenFingerprint + "\n",
 		},
 		{
@@ -237,5 +237,34 @@ func TestFingerprintHelp(t *testing.T) {
 	code, stdout, _ := runFingerprintCLI(t, "", "--help")
 	if code != 0 || !strings.Contains(stdout, "--method") || !strings.Contains(stdout, "canonicalize") {
 		t.Errorf("--help: exit %d, stdout %q", code, stdout)
+	}
+}
+
+// Issue 8, item 6: `reconciler fingerprint --secret` keys secret values with
+// the deployment's key from the environment (the README's example), and
+// refuses a secret field without a key or a secret pointer that matches
+// nothing, without printing the value.
+func TestFingerprintSecretKey(t *testing.T) {
+	t.Setenv("I8_TEST_KEY", "000102030405060708090a0b0c0d0e0f101112131415161718191a1b1c1d1e1f")
+	t.Setenv("RECONCILER_SECRET_KEY", "")
+	const payload = `{"pin": 1234, "card_number": "4111111111111111", "amount": 500}`
+	args := []string{"--method", "post", "--target", "/v1/charges", "--secret", "/card_number", "--secret", "/pin"}
+	code, out, errOut := runFingerprintCLI(t, payload, append(args, "--secret-key-env", "I8_TEST_KEY", "--secret-key-id", "2025-01")...)
+	if want := "sha256:fc8e1ee07a44f000bcf1efd1ec3d66b35c73472e5fcc87b8d4cac3464feea824\n"; code != 0 || out != want {
+		t.Errorf("keyed: exit %d, stdout %q, stderr %q; want %q", code, out, errOut, want)
+	}
+	code, _, errOut = runFingerprintCLI(t, payload, args...)
+	if code != exitUsage || !strings.Contains(errOut, "secret key is required") {
+		t.Errorf("no key: exit %d, stderr %q", code, errOut)
+	}
+	code, _, errOut = runFingerprintCLI(t, `{"card_number": 9111111111111111}`, "--method", "POST", "--target", "/x",
+		"--secret", "/card_number", "--secret-key-env", "I8_TEST_KEY")
+	if code != exitBadInput || strings.Contains(errOut, "9111111111111111") {
+		t.Errorf("number error: exit %d, stderr %q", code, errOut)
+	}
+	code, _, errOut = runFingerprintCLI(t, payload, "--method", "POST", "--target", "/x",
+		"--secret", "/cardnumber", "--secret-key-env", "I8_TEST_KEY")
+	if code != exitBadInput || !strings.Contains(errOut, "secret field not found") {
+		t.Errorf("missing secret: exit %d, stderr %q", code, errOut)
 	}
 }
