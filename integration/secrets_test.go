@@ -48,17 +48,6 @@ var awaitingMerge = func() map[string]string {
 		// (ledger/errors.go).
 		m[where+"|webhook path"] = "i8-boundary"
 	}
-	for _, where := range []string{"database", "logs", "cli"} {
-		// readback/httpadapter (adapter): the adapter redacts only the raw
-		// credential; it must build an internal/redact.Redactor from its
-		// auth and use readback.RedactError and RedactText (before cutting
-		// the excerpt).
-		for _, form := range []string{"adapter bearer token, URL-encoded", "adapter bearer token, base64",
-			"adapter basic password", "adapter basic, Basic form", "adapter basic, base64",
-			"adapter basic password, URL-encoded"} {
-			m[where+"|"+form] = "i8-adapter"
-		}
-	}
 	return m
 }()
 

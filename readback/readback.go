@@ -229,11 +229,6 @@ func RedactError(err error, r *redact.Redactor) error {
 	return out
 }
 
-// RedactText returns s with every form of the credentials r knows removed
-// (r may be nil). Redact before cutting s to a length: a cut can split a
-// credential so that no form of it matches any more.
-func RedactText(s string, r *redact.Redactor) string { return r.String(s) }
-
 // redactedError is an error whose text was redacted; class, when set,
 // carries the classification of the error it replaces.
 type redactedError struct {

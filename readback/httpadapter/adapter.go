@@ -37,6 +37,7 @@ import (
 	"go.yaml.in/yaml/v3"
 
 	"github.com/receiptledger/reconciler/fingerprint"
+	"github.com/receiptledger/reconciler/internal/redact"
 	"github.com/receiptledger/reconciler/readback"
 )
 
@@ -132,6 +133,10 @@ type Adapter struct {
 	cfg    *config
 	client *http.Client
 	now    func() time.Time
+	// red removes every encoded form of the block's credential (raw,
+	// Basic, base64, URL- and percent-encoded, JSON-escaped) from text an
+	// API may echo it in: error bodies, transport errors.
+	red *redact.Redactor
 }
 
 func newAdapter(name string, settings *yaml.Node, o *options) (*Adapter, error) {
@@ -139,7 +144,12 @@ func newAdapter(name string, settings *yaml.Node, o *options) (*Adapter, error) 
 	if err != nil {
 		return nil, err
 	}
-	return &Adapter{cfg: cfg, client: o.client, now: o.now}, nil
+	red := redact.New()
+	if cfg.auth != nil {
+		red.Add(cfg.auth.secret)
+		red.AddHeader(cfg.auth.value)
+	}
+	return &Adapter{cfg: cfg, client: o.client, now: o.now, red: red}, nil
 }
 
 // Kind returns the kind of operation the block reads back.
@@ -408,10 +418,9 @@ func (e *StatusError) Error() string {
 // snippet is a short excerpt of an error body with the secret removed, in
 // case the API echoes the request's credentials back.
 func (a *Adapter) snippet(body []byte) string {
-	s := strings.TrimSpace(string(body))
-	if a.cfg.auth != nil {
-		s = strings.ReplaceAll(s, a.cfg.auth.secret, "[redacted]")
-	}
+	// Redacted before it is cut: a cut could split a credential so that
+	// no form of it matches any more.
+	s := a.red.String(strings.TrimSpace(string(body)))
 	if len(s) > 200 {
 		s = s[:200] + "..."
 	}
@@ -437,12 +446,7 @@ func (a *Adapter) decode(u *url.URL, body []byte, items *pointer, maxItems int) 
 	return doc, nil
 }
 
-func (a *Adapter) redactErr(err error) error {
-	if a.cfg.auth == nil || !strings.Contains(err.Error(), a.cfg.auth.secret) {
-		return err
-	}
-	return errors.New(strings.ReplaceAll(err.Error(), a.cfg.auth.secret, "[redacted]"))
-}
+func (a *Adapter) redactErr(err error) error { return readback.RedactError(err, a.red) }
 
 func (a *Adapter) rateLimited(h http.Header) bool {
 	rl := a.cfg.rateLimit

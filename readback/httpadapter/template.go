@@ -182,14 +182,12 @@ func (s *scope) value(ref string) (string, error) {
 var errSecretField = errors.New("the intent field is secret: the receipt holds a redaction marker, not its value " +
 	"(a readback cannot search for it; name a non-secret field or a marker instead)")
 
-// secretPrefix starts a keyed secret's stand-in in a stored intent.
-const secretPrefix = "hmac-sha256:"
 
 // isSecretMarker reports whether v is a secret field's stand-in in a
 // stored intent: fingerprint.RedactedMarker, or a keyed "hmac-sha256:<hex>".
 func isSecretMarker(v any) bool {
 	s, ok := v.(string)
-	return ok && (s == fingerprint.RedactedMarker || strings.HasPrefix(s, secretPrefix))
+	return ok && (s == fingerprint.RedactedMarker || strings.HasPrefix(s, fingerprint.KeyedPrefix))
 }
 
 // holdsSecretMarker reports whether any value in doc is a secret stand-in.
