@@ -182,7 +182,6 @@ func (s *scope) value(ref string) (string, error) {
 var errSecretField = errors.New("the intent field is secret: the receipt holds a redaction marker, not its value " +
 	"(a readback cannot search for it; name a non-secret field or a marker instead)")
 
-
 // isSecretMarker reports whether v is a secret field's stand-in in a
 // stored intent: fingerprint.RedactedMarker, or a keyed "hmac-sha256:<hex>".
 func isSecretMarker(v any) bool {
