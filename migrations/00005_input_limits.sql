@@ -17,37 +17,32 @@
 
 -- +goose Up
 
+-- The checks are written out in the trigger and in reconciler.plan rather
+-- than in a shared function: a trigger function needs no EXECUTE privilege
+-- to fire, a function it calls would (docs/roles.sql grants each role only
+-- the functions it calls).
 -- +goose StatementBegin
-CREATE FUNCTION reconciler.check_input(key text, operation text, dependency text, method text, target text)
-RETURNS void LANGUAGE plpgsql IMMUTABLE AS $$
+CREATE FUNCTION reconciler.receipts_check_input() RETURNS trigger LANGUAGE plpgsql AS $$
 DECLARE
     bad constant text := '[\x01-\x1f\x7f-\x9f\u061c\u200e\u200f\u2028-\u202e\u2066-\u2069\ufeff]';
 BEGIN
-    IF key ~ bad OR octet_length(key) > 266 THEN
+    IF NEW.idempotency_key ~ bad OR octet_length(NEW.idempotency_key) > 266 THEN
         RAISE EXCEPTION 'invalid key: it must hold no control character and be at most 266 bytes (it has %)',
-            octet_length(key) USING ERRCODE = 'RL007';
+            octet_length(NEW.idempotency_key) USING ERRCODE = 'RL007';
     END IF;
-    IF octet_length(operation) > 200 OR octet_length(dependency) > 200 OR octet_length(method) > 200 THEN
+    IF octet_length(NEW.operation) > 200 OR octet_length(NEW.dependency) > 200 OR octet_length(NEW.method) > 200 THEN
         RAISE EXCEPTION 'invalid receipt: operation, dependency and method must be at most 200 bytes '
-            '(they have %, %, %)', octet_length(operation), octet_length(dependency), octet_length(method)
+            '(they have %, %, %)', octet_length(NEW.operation), octet_length(NEW.dependency), octet_length(NEW.method)
             USING ERRCODE = 'check_violation';
     END IF;
-    IF octet_length(target) > 2048 THEN
-        RAISE EXCEPTION 'invalid receipt: the target must be at most 2048 bytes (it has %)', octet_length(target)
+    IF octet_length(NEW.target) > 2048 THEN
+        RAISE EXCEPTION 'invalid receipt: the target must be at most 2048 bytes (it has %)', octet_length(NEW.target)
             USING ERRCODE = 'check_violation';
     END IF;
-    IF operation ~ bad OR dependency ~ bad OR method ~ bad OR target ~ bad THEN
+    IF NEW.operation ~ bad OR NEW.dependency ~ bad OR NEW.method ~ bad OR NEW.target ~ bad THEN
         RAISE EXCEPTION 'invalid receipt: operation, dependency, method and target must hold no control character'
             USING ERRCODE = 'check_violation';
     END IF;
-END
-$$;
--- +goose StatementEnd
-
--- +goose StatementBegin
-CREATE FUNCTION reconciler.receipts_check_input() RETURNS trigger LANGUAGE plpgsql AS $$
-BEGIN
-    PERFORM reconciler.check_input(NEW.idempotency_key, NEW.operation, NEW.dependency, NEW.method, NEW.target);
     RETURN NEW;
 END
 $$;
@@ -56,7 +51,8 @@ $$;
 CREATE TRIGGER receipts_a_input_limits BEFORE INSERT ON reconciler.receipts
     FOR EACH ROW EXECUTE FUNCTION reconciler.receipts_check_input();
 
--- reconciler.plan as in 00004, checking its input first (before any lock).
+-- reconciler.plan as in 00004, checking its input first (before any lock),
+-- with the same checks as the trigger.
 -- +goose StatementBegin
 CREATE OR REPLACE FUNCTION reconciler.plan(
     idempotency_key text,
@@ -77,8 +73,25 @@ DECLARE
     prev reconciler.receipts;
     earlier reconciler.receipts;
     want text;
+    bad constant text := '[\x01-\x1f\x7f-\x9f\u061c\u200e\u200f\u2028-\u202e\u2066-\u2069\ufeff]';
 BEGIN
-    PERFORM reconciler.check_input(plan.idempotency_key, plan.operation, plan.dependency, plan.method, plan.target);
+    IF plan.idempotency_key ~ bad OR octet_length(plan.idempotency_key) > 266 THEN
+        RAISE EXCEPTION 'invalid key: it must hold no control character and be at most 266 bytes (it has %)',
+            octet_length(plan.idempotency_key) USING ERRCODE = 'RL007';
+    END IF;
+    IF octet_length(plan.operation) > 200 OR octet_length(plan.dependency) > 200 OR octet_length(plan.method) > 200 THEN
+        RAISE EXCEPTION 'invalid receipt: operation, dependency and method must be at most 200 bytes '
+            '(they have %, %, %)', octet_length(plan.operation), octet_length(plan.dependency), octet_length(plan.method)
+            USING ERRCODE = 'check_violation';
+    END IF;
+    IF octet_length(plan.target) > 2048 THEN
+        RAISE EXCEPTION 'invalid receipt: the target must be at most 2048 bytes (it has %)', octet_length(plan.target)
+            USING ERRCODE = 'check_violation';
+    END IF;
+    IF plan.operation ~ bad OR plan.dependency ~ bad OR plan.method ~ bad OR plan.target ~ bad THEN
+        RAISE EXCEPTION 'invalid receipt: operation, dependency, method and target must hold no control character'
+            USING ERRCODE = 'check_violation';
+    END IF;
     -- Plans of one key take turns, so exactly one inserts it.
     -- (Locks taken by assignment, not PERFORM: a plain expression is
     -- evaluated in place, where PERFORM would run a query.)
@@ -263,4 +276,3 @@ BEGIN
 END
 $$;
 -- +goose StatementEnd
-DROP FUNCTION reconciler.check_input(text, text, text, text, text);
