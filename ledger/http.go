@@ -20,6 +20,7 @@ import (
 	"time"
 	"unicode/utf8"
 
+	"github.com/receiptledger/reconciler/internal/sanitize"
 	"github.com/receiptledger/reconciler/statemachine"
 )
 
@@ -63,6 +64,7 @@ const (
 	CodeMalformedBody    = "malformed_body"    // 2xx whose body is not the JSON it claims
 	CodeBodyTooLarge     = "body_too_large"    // 2xx whose body exceeds MaxResponseBytes
 	CodeInvalidVerdict   = "invalid_verdict"   // Classify returned an Outcome out of range
+	CodeClassifyPanic    = "classify_panic"    // Classify or ExternalID panicked: outcome unknown
 	// Sent, then the send deadline passed before the request was written
 	// whole (HTTP/2): it was canceled, nothing more was written.
 	CodeSendDeadlineMidWrite = "send_deadline_mid_write"
@@ -395,7 +397,7 @@ func (c *Caller) Do(ctx context.Context, in Intent, req *http.Request) (*Result,
 		delay = DefaultMaxSendDelay
 	}
 	ex, stats := c.send(ctx, req, t0.Add(delay), delay)
-	v, overridden := c.classify(ex)
+	v, overridden := c.safeClassify(ex)
 	res := &Result{Receipt: sub, Response: ex.Response, Body: ex.Body, Verdict: v, Sent: ex.Sent}
 	settled, cause, detail, err := c.settle(ctx, sub, ex, v, overridden, stats)
 	if err != nil {
@@ -895,6 +897,20 @@ func readBody(r io.Reader, limit int64) ([]byte, error) {
 	return body, nil
 }
 
+// safeClassify is classify turning a panic of a Classify override or an
+// ExternalID extractor into an outcome_unknown verdict that carries the
+// panic (sanitized): the request was sent, so its effect is unknown, and the
+// receipt must not stay submitted.
+func (c *Caller) safeClassify(ex Exchange) (v Verdict, overridden bool) {
+	defer func() {
+		if p := recover(); p != nil {
+			msg, _ := sanitize.Text(fmt.Sprintf("Classify panicked: %v", p), maxMessageBytes)
+			v, overridden = Verdict{Outcome: OutcomeUnknown, Code: CodeClassifyPanic, Message: msg}, true
+		}
+	}()
+	return c.classify(ex)
+}
+
 // classify applies the override, then the default, and completes the
 // verdict: codes and messages default, and a succeeded verdict gets its
 // external id from the body.
@@ -1158,13 +1174,16 @@ func (c *Caller) settle(ctx context.Context, r *Receipt, ex Exchange, v Verdict,
 	}
 	if ex.Response != nil {
 		if ra := ex.Response.Header.Get("Retry-After"); ra != "" && len(ra) <= 64 {
-			extra["retry_after"] = ra
+			extra["retry_after"], _ = sanitize.Text(ra, 64)
 		}
 		if s := ex.Response.StatusCode; s >= 300 && s <= 399 {
 			if loc := redirectLocation(ex); loc != "" {
-				extra["location"] = loc
+				extra["location"], _ = sanitize.Text(loc, 2048)
 			}
 		}
+	}
+	if v.Code == CodeClassifyPanic {
+		extra["classify_panic"] = v.Message
 	}
 	d := Detail{Extra: extra}
 	var cause *CallError
@@ -1173,10 +1192,24 @@ func (c *Caller) settle(ctx context.Context, r *Receipt, ex Exchange, v Verdict,
 		if s := ex.Status(); s != 0 {
 			ev["http_status"] = s
 		}
+		// An id that is not storable as is (invalid UTF-8, a NUL or other
+		// control character, over MaxExternalIDBytes) is not trusted: the
+		// receipt settles succeeded (the 2xx proves the effect) without an
+		// external id, and the evidence keeps its hash and an excerpt.
+		if id, untrusted := storableID(v.ExternalID); untrusted != nil {
+			v.ExternalID = id
+			ev["untrusted_external_id"] = untrusted
+			ev["sanitized"] = true
+		}
 		d.Evidence = ev
 	} else {
-		cause = &CallError{Code: v.Code, Message: v.Message, HTTPStatus: ex.Status(), Retryable: v.Retryable}
+		code, ch1 := sanitize.Text(v.Code, 64)
+		msg, ch2 := sanitize.Text(v.Message, maxMessageBytes)
+		cause = &CallError{Code: code, Message: msg, HTTPStatus: ex.Status(), Retryable: v.Retryable}
 		d.Error = cause
+		if ch1 || ch2 {
+			extra["sanitized"] = true
+		}
 	}
 	wctx, cancel := c.writeContext(ctx)
 	defer cancel()

@@ -16,9 +16,12 @@ package ledger
 
 import (
 	"context"
+	"crypto/sha256"
+	"encoding/hex"
 	"encoding/json"
 	"errors"
 	"fmt"
+	"maps"
 	"strconv"
 	"strings"
 	"time"
@@ -28,6 +31,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/receiptledger/reconciler/fingerprint"
+	"github.com/receiptledger/reconciler/internal/sanitize"
 	"github.com/receiptledger/reconciler/statemachine"
 )
 
@@ -41,6 +45,19 @@ const (
 	// MaxKeyBytes is the longest idempotency key a first attempt may have,
 	// in bytes (a retry's key adds "#<attempt>" to it).
 	MaxKeyBytes = 255
+	// MaxNameBytes is the longest operation, dependency or method an intent
+	// may have, in bytes (reconciler.plan refuses longer ones too).
+	MaxNameBytes = 200
+	// MaxTargetBytes is the longest target an intent may have, in bytes.
+	MaxTargetBytes = 2048
+	// MaxExternalIDBytes is the longest external id stored. A longer one,
+	// or one that is not valid UTF-8 or holds a control character, is not
+	// stored: see Move.ExternalID.
+	MaxExternalIDBytes = 255
+	// maxDetailString and maxDetailBytes bound each string of a move's
+	// detail and the whole detail document.
+	maxDetailString = 2048
+	maxDetailBytes  = 64 << 10
 )
 
 // Client records receipts for one actor. It is safe for concurrent use.
@@ -189,8 +206,13 @@ type Move struct {
 	From statemachine.State
 	To   statemachine.State
 	// Actor defaults to the client's actor.
-	Actor      statemachine.Actor
-	Detail     Detail
+	Actor  statemachine.Actor
+	Detail Detail
+	// ExternalID is stored only if it is valid UTF-8 without control
+	// characters and at most MaxExternalIDBytes: otherwise it is not stored
+	// (an altered id would name nothing the API knows), and the detail's
+	// extra records "untrusted_external_id" (an excerpt, the SHA-256 of its
+	// bytes, its length) and "sanitized": true.
 	ExternalID string
 }
 
@@ -303,11 +325,65 @@ func checkIntent(in Intent) error {
 			return fmt.Errorf("ledger: plan: %w: %s is empty", ErrInvalidIntent, name)
 		}
 	}
+	if !printable(in.IdempotencyKey) {
+		return fmt.Errorf("ledger: plan %q: %w: the key holds a control character or invalid UTF-8",
+			sanitize.Terminal(truncate(in.IdempotencyKey)), ErrInvalidKey)
+	}
+	for _, f := range []struct {
+		name, v string
+		max     int
+	}{{"operation", in.Operation, MaxNameBytes}, {"dependency", in.Dependency, MaxNameBytes},
+		{"method", in.Method, MaxNameBytes}, {"target", in.Target, MaxTargetBytes}} {
+		if len(f.v) > f.max {
+			return fmt.Errorf("ledger: plan %s: %w: the %s is %d bytes, more than %d",
+				sanitize.Terminal(truncate(in.IdempotencyKey)), ErrInvalidIntent, f.name, len(f.v), f.max)
+		}
+		if !printable(f.v) {
+			return fmt.Errorf("ledger: plan %s: %w: the %s holds a control character or invalid UTF-8",
+				sanitize.Terminal(truncate(in.IdempotencyKey)), ErrInvalidIntent, f.name)
+		}
+	}
 	if d := sendDelay(in); d <= 0 || d > MaxSendDelayLimit {
 		return fmt.Errorf("ledger: plan %s: %w: MaxSendDelay %v is not in (0, %v]",
 			in.IdempotencyKey, ErrInvalidIntent, in.MaxSendDelay, MaxSendDelayLimit)
 	}
 	return nil
+}
+
+// printable reports whether s is valid UTF-8 without control characters
+// (C0, DEL, C1, line and paragraph separators, bidirectional controls): the
+// characters reconciler.plan refuses in a key, name or target.
+func printable(s string) bool { return sanitize.Terminal(s) == s }
+
+// truncate shortens s for an error message.
+func truncate(s string) string {
+	out, _ := sanitize.Text(s, 64)
+	return out
+}
+
+// storableID returns id if it can be stored as an external id unaltered
+// (printable and at most MaxExternalIDBytes), else "" and a description of
+// it for the move's detail: an altered id names nothing the API knows, and
+// readbacks look receipts up by it.
+func storableID(id string) (string, map[string]any) {
+	if id == "" || (len(id) <= MaxExternalIDBytes && printable(id)) {
+		return id, nil
+	}
+	excerpt, _ := sanitize.Text(id, 64)
+	h := sha256.Sum256([]byte(id))
+	return "", map[string]any{"excerpt": sanitize.Terminal(excerpt),
+		"sha256": "sha256:" + hex.EncodeToString(h[:]), "bytes": len(id)}
+}
+
+// detailJSON encodes a move's detail as jsonb accepts it: strings valid
+// UTF-8 without NUL and bounded, marked "sanitized" where altered.
+func detailJSON(d Detail) ([]byte, error) {
+	j, err := json.Marshal(d)
+	if err != nil {
+		return nil, err
+	}
+	j, _ = sanitize.JSON(j, maxDetailString, maxDetailBytes)
+	return j, nil
 }
 
 // sendDelay is the intent's send deadline with the default applied.
@@ -399,7 +475,16 @@ func (c *Client) Transition(ctx context.Context, m Move) (*Receipt, error) {
 	if err := statemachine.Check(m.Actor, m.From, m.To); err != nil {
 		return nil, fmt.Errorf("ledger: receipt %d: %w", m.ID, err)
 	}
-	detail, err := json.Marshal(m.Detail)
+	if id, untrusted := storableID(m.ExternalID); untrusted != nil {
+		m.ExternalID = id
+		m.Detail.Extra = maps.Clone(m.Detail.Extra)
+		if m.Detail.Extra == nil {
+			m.Detail.Extra = map[string]any{}
+		}
+		m.Detail.Extra["untrusted_external_id"] = untrusted
+		m.Detail.Extra["sanitized"] = true
+	}
+	detail, err := detailJSON(m.Detail)
 	if err != nil {
 		return nil, fmt.Errorf("ledger: receipt %d: detail: %w", m.ID, err)
 	}
@@ -489,7 +574,16 @@ func (c *Client) RecordLateOutcome(ctx context.Context, id int64, outcome Outcom
 	if !outcome.Valid() {
 		return fmt.Errorf("ledger: late outcome of receipt %d: %w: outcome %q", id, ErrInvalidIntent, outcome)
 	}
-	detail, err := json.Marshal(d)
+	if sid, untrusted := storableID(externalID); untrusted != nil {
+		externalID = sid
+		d.Extra = maps.Clone(d.Extra)
+		if d.Extra == nil {
+			d.Extra = map[string]any{}
+		}
+		d.Extra["untrusted_external_id"] = untrusted
+		d.Extra["sanitized"] = true
+	}
+	detail, err := detailJSON(d)
 	if err != nil {
 		return fmt.Errorf("ledger: late outcome of receipt %d: detail: %w", id, err)
 	}

@@ -65,6 +65,27 @@ type Evidence struct {
 	// LateOutcomes are the outcomes the agent recorded after the orphan
 	// sweep moved the receipt (reconciler.late_outcomes).
 	LateOutcomes []LateOutcome `json:"late_outcomes,omitempty"`
+	// UntrustedExternalID describes an external id the adapter matched that
+	// could not be stored as is (not valid UTF-8, a NUL or other control
+	// character, or longer than MaxExternalIDBytes): the receipt's external
+	// id is left unset, since an altered id names nothing the API knows.
+	UntrustedExternalID *UntrustedID `json:"untrusted_external_id,omitempty"`
+	// Sanitized is set when any text from outside (the query, a matched id,
+	// the adapter's evidence, an error) was altered to be stored (issue 8).
+	Sanitized bool `json:"sanitized,omitempty"`
+	// WriteError is set on the minimal settlement written in place of one
+	// the database refused (its SQLSTATE and message, sanitized).
+	WriteError string `json:"write_error,omitempty"`
+}
+
+// UntrustedID stands for an external id that could not be stored as is.
+type UntrustedID struct {
+	// Excerpt is the id sanitized and bounded, for a human.
+	Excerpt string `json:"excerpt"`
+	// SHA256 is "sha256:<hex>" of the id's raw bytes.
+	SHA256 string `json:"sha256"`
+	// Bytes is the raw id's length.
+	Bytes int `json:"bytes"`
 }
 
 // LateOutcome is an outcome an agent observed after the orphan sweep had

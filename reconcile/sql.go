@@ -147,6 +147,33 @@ WHERE $28::bool AND r.id = ANY ($1::bigint[]) AND r.id NOT IN (SELECT id FROM s)
            THEN r.state = 'reconciling' AND r.next_check_at = u.next_check_at
            ELSE r.state = u.to_state AND r.state_actor = $8 AND r.state_detail = u.detail END`
 
+// sqlReleaseRefused releases a leased row whose outcome the database
+// refused even in its minimal form, recording a check error so that
+// check_count grows and the bounds eventually settle the row (issue 8). It
+// does not count as a transient failure of the dependency (the dependency's
+// retry budget is not spent on it). $1 id, $2 lease token, $3 next check
+// (NULL: $8 seconds from the database's clock), $4 the check's time (NULL:
+// the database's clock), $5 adapter, $6 error, $7 instance.
+const sqlReleaseRefused = `
+WITH r AS (
+    UPDATE reconciler.receipts r
+    SET next_check_at = coalesce($3::timestamptz, clock_timestamp() + make_interval(secs => $8::float8)),
+        lease_owner = NULL,
+        lease_expires_at = NULL,
+        check_count = r.check_count + 1,
+        last_check_transient = false
+    WHERE r.id = $1 AND r.state = 'reconciling' AND r.lease_owner = $2
+    RETURNING r.id, r.check_count, r.dependency
+), c AS (
+    INSERT INTO reconciler.readback_checks
+        (receipt_id, check_no, at, adapter, dependency, verdict, authoritative, matches,
+         latency_us, error_class, error, evidence, instance)
+    SELECT r.id, r.check_count, coalesce($4::timestamptz, clock_timestamp()), $5, r.dependency,
+           'error', false, 0, 0, 'transient', $6, '{"sanitized": true}'::jsonb, $7
+    FROM r
+)
+SELECT id FROM r`
+
 // sqlSweepOrphans moves submitted receipts with no transition since $3 to
 // outcome_unknown, at most $4 per statement (the orphan sweep of SPEC §3).
 // $1 actor, $2 detail. It runs under SET LOCAL statement_timeout and

@@ -12,8 +12,10 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 
+	"github.com/receiptledger/reconciler/internal/sanitize"
 	"github.com/receiptledger/reconciler/readback"
 	"github.com/receiptledger/reconciler/statemachine"
 )
@@ -173,10 +175,124 @@ func (s *Store) CompleteAgain(ctx context.Context, outcomes []Outcome) (applied 
 	return s.complete(ctx, outcomes, true)
 }
 
+// complete writes outcomes, each sanitized first (text from an API made
+// valid, bounded and marked: outcome.sanitized), in one statement. If the
+// database refuses the batch for one row's data (dataError), the batch is
+// split in halves, down to single rows, so every other row is written; a
+// row refused on its own is written minimally (writeRefused), so it never
+// stays leased and failing forever. The split costs nothing unless a batch
+// fails.
 func (s *Store) complete(ctx context.Context, outcomes []Outcome, retry bool) (applied []int64, err error) {
 	if len(outcomes) == 0 {
 		return nil, nil
 	}
+	clean := make([]Outcome, len(outcomes))
+	for i, o := range outcomes {
+		clean[i] = o.sanitized()
+	}
+	return s.completeSplit(ctx, clean, retry)
+}
+
+// completeSplit writes outcomes in one statement, splitting the batch on a
+// data error (see complete).
+func (s *Store) completeSplit(ctx context.Context, outcomes []Outcome, retry bool) ([]int64, error) {
+	applied, err := s.write(ctx, outcomes, retry)
+	if err == nil || !dataError(err) || ctx.Err() != nil {
+		return applied, err
+	}
+	if len(outcomes) == 1 {
+		return s.writeRefused(ctx, outcomes[0], err, retry)
+	}
+	half := len(outcomes) / 2
+	a, err := s.completeSplit(ctx, outcomes[:half], retry)
+	if err != nil {
+		return a, err
+	}
+	b, err := s.completeSplit(ctx, outcomes[half:], retry)
+	return append(a, b...), err
+}
+
+// WriteRefusedRetry is how long a row whose outcome the database refused
+// waits before its next check when the outcome named no time of its own.
+const WriteRefusedRetry = time.Minute
+
+// writeRefused writes, for a row whose outcome the database refused on its
+// own (cause), a minimal outcome built only from the reconciler's own data:
+// the same settlement or release with its evidence replaced by a minimal
+// one recording the refusal, and its check without evidence. If that is
+// refused too, the row is released with a check error recorded, so its
+// check_count grows and the bounds (max_checks, deadline) eventually settle
+// it to manual_review. A row refused even so is left to its lease's expiry
+// (not returned as applied).
+func (s *Store) writeRefused(ctx context.Context, o Outcome, cause error, retry bool) ([]int64, error) {
+	why := refusal(cause)
+	minimal := Outcome{ID: o.ID, Lease: o.Lease, To: o.To, NextCheck: o.NextCheck,
+		Adapter: o.Adapter, Dependency: o.Dependency}
+	if o.Settles() {
+		ev := &Evidence{Sanitized: true, WriteError: why}
+		if e := o.Detail.Evidence; e != nil {
+			ev.Adapter, ev.Operation, ev.Dependency, ev.Checks = e.Adapter, e.Operation, e.Dependency, e.Checks
+			ev.Verdict, ev.Authoritative, ev.Bound, ev.Control = e.Verdict, e.Authoritative, e.Bound, e.Control
+			ev.Guarantee, ev.AbsenceSafeAt, ev.ReuseKeyBefore = e.Guarantee, e.AbsenceSafeAt, e.ReuseKeyBefore
+			ev.SinceSubmissionSec, ev.ReadAt, ev.SendDeadline = e.SinceSubmissionSec, e.ReadAt, e.SendDeadline
+		}
+		minimal.Detail = Detail{Reason: o.Detail.Reason, Evidence: ev}
+		if o.Detail.Error != nil {
+			minimal.Detail.Error = &DetailError{Code: o.Detail.Error.Code}
+		}
+	}
+	if c := o.Check; c != nil {
+		r := *c
+		r.Error, r.Evidence = "", json.RawMessage(`{"sanitized":true}`)
+		if r.Verdict == "error" {
+			r.Error = "the check's error could not be stored: " + why
+		}
+		minimal.Check = &r
+	}
+	applied, err := s.write(ctx, []Outcome{minimal}, retry)
+	if err == nil || !dataError(err) {
+		return applied, err
+	}
+	var next *time.Time
+	switch {
+	case !o.NextCheck.IsZero():
+		next = &o.NextCheck
+	case o.Check != nil:
+		t := o.Check.At.Add(WriteRefusedRetry)
+		next = &t
+	}
+	var at *time.Time
+	if o.Check != nil {
+		at = &o.Check.At
+	}
+	rows, err := s.pool.Query(ctx, sqlReleaseRefused, o.ID, o.Lease, next, at, o.Adapter,
+		"outcome refused by the database: "+why, s.instance, WriteRefusedRetry.Seconds())
+	if err != nil {
+		return nil, fmt.Errorf("reconcile: release receipt %d after its outcome was refused: %w", o.ID, err)
+	}
+	applied, err = pgx.CollectRows(rows, pgx.RowTo[int64])
+	if err != nil && dataError(err) {
+		return nil, nil
+	}
+	if err != nil {
+		return nil, fmt.Errorf("reconcile: release receipt %d after its outcome was refused: %w", o.ID, err)
+	}
+	return applied, nil
+}
+
+// refusal describes a database refusal in a bounded line of its own text.
+func refusal(err error) string {
+	var pe *pgconn.PgError
+	msg := err.Error()
+	if errors.As(err, &pe) {
+		msg = "SQLSTATE " + pe.Code + ": " + pe.Message
+	}
+	out, _ := sanitize.Text(msg, 512)
+	return out
+}
+
+// write applies outcomes (already sanitized) in one statement.
+func (s *Store) write(ctx context.Context, outcomes []Outcome, retry bool) (applied []int64, err error) {
 	n := len(outcomes)
 	var (
 		ids      = make([]int64, n)

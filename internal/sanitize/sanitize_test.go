@@ -1,6 +1,8 @@
 package sanitize
 
 import (
+	"encoding/json"
+	"reflect"
 	"strings"
 	"testing"
 	"unicode/utf8"
@@ -124,4 +126,54 @@ func FuzzText(f *testing.F) {
 			}
 		}
 	})
+}
+
+// Issue 8, item 1: evidence JSON reaches jsonb only in a form it accepts,
+// marked when altered.
+func TestJSON(t *testing.T) {
+	cases := []struct {
+		name    string
+		in      string
+		changed bool
+		want    string // "" means same as in
+	}{
+		{"clean", `{"a":"b","n":1}`, false, ""},
+		{"clean literals", `{"t":true,"f":false,"n":null,"x":-1.5}`, false, ""},
+		{"clean escapes", `{"a":"\u00e9\ud83d\ude00\\u0000"}`, false, ""},
+		{"nul escape", `{"a":"busy\u0000"}`, true, `{"a":"busy\ufffd","sanitized":true}`},
+		{"lone high surrogate", `{"a":"\ud800x"}`, true, `{"a":"\ufffdx","sanitized":true}`},
+		{"lone low surrogate", `["\udc00"]`, true, `{"sanitized":true,"value":["\ufffd"]}`},
+		{"raw invalid utf8", "{\"a\":\"\xff\"}", true, `{"a":"\ufffd","sanitized":true}`},
+		{"nul in key", `{"k\u0000":1}`, true, `{"k\ufffd":1,"sanitized":true}`},
+		{"not json", "busy\x00", true, `{"invalid_json":"busy\ufffd","sanitized":true}`},
+		{"huge number", `{"n":1e999999}`, true, `{"n":"1e999999","sanitized":true}`},
+		{"long string", `{"a":"` + strings.Repeat("x", 40) + `"}`, true, `{"a":"` + strings.Repeat("x", 13) + `…","sanitized":true}`},
+	}
+	for _, c := range cases {
+		t.Run(c.name, func(t *testing.T) {
+			got, changed := JSON([]byte(c.in), 16, 4096)
+			want := c.want
+			if want == "" {
+				want = c.in
+			}
+			if changed != c.changed {
+				t.Fatalf("JSON(%q) changed = %v, want %v (%s)", c.in, changed, c.changed, got)
+			}
+			var a, b any
+			if json.Unmarshal(got, &a) != nil || json.Unmarshal([]byte(want), &b) != nil || !reflect.DeepEqual(a, b) {
+				t.Fatalf("JSON(%q) = %s, want %s", c.in, got, want)
+			}
+			if badEscape(got) || !utf8.Valid(got) {
+				t.Fatalf("JSON(%q) = %s still refused by jsonb", c.in, got)
+			}
+		})
+	}
+	if !unusual([]byte(`{"n":2E3}`), 16) || unusual([]byte(`{"t":true,"f":false}`), 16) {
+		t.Fatal("unusual: exponent or literal misread")
+	}
+	big := []byte(`{"a":"` + strings.Repeat("y", 10000) + `"}`)
+	got, changed := JSON(big, 0, 1000)
+	if !changed || len(got) > 1000 || !strings.Contains(string(got), `"truncated":true`) {
+		t.Fatalf("JSON(10 KB, max 1000) = %d bytes %.80s, %v", len(got), got, changed)
+	}
 }
