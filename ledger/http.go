@@ -980,7 +980,7 @@ func DefaultClassify(ex Exchange) Verdict {
 		if ex.Err == nil {
 			return Verdict{Outcome: OutcomeUnknown, Code: CodeTransportError, Message: "no response and no error"}
 		}
-		msg := safeMessage(ex.Err, ex.Request)
+		msg := safeErrorText(ex.Err, ex.Request)
 		if !ex.Sent {
 			return Verdict{Outcome: OutcomeRejected, Code: CodeNotSent, Message: msg, Retryable: true}
 		}
@@ -994,7 +994,7 @@ func DefaultClassify(ex Exchange) Verdict {
 			return Verdict{Outcome: OutcomeUnknown, Code: CodeBodyTooLarge, Message: ex.Err.Error()}
 		case ex.Err != nil:
 			return Verdict{Outcome: OutcomeUnknown, Code: CodeTruncatedBody,
-				Message: fmt.Sprintf("%s after %d bytes: %s", statusMessage(ex), len(ex.Body), safeMessage(ex.Err, ex.Request))}
+				Message: fmt.Sprintf("%s after %d bytes: %s", statusMessage(ex), len(ex.Body), safeErrorText(ex.Err, ex.Request))}
 		case looksJSON(ex.Response.Header.Get("Content-Type"), ex.Body) && !json.Valid(ex.Body):
 			return Verdict{Outcome: OutcomeUnknown, Code: CodeMalformedBody,
 				Message: fmt.Sprintf("%s with a body of %d bytes that is not valid JSON", statusMessage(ex), len(ex.Body))}
@@ -1107,47 +1107,6 @@ func looksJSON(contentType string, body []byte) bool {
 
 const maxMessageBytes = 512
 
-// safeMessage renders err for the database: a *url.Error's URL loses its
-// user info, query and fragment, any remaining copy of the request URL's
-// query or user info is masked, and the text is bounded.
-func safeMessage(err error, req *http.Request) string {
-	msg := err.Error()
-	var ue *url.Error
-	if errors.As(err, &ue) {
-		msg = ue.Op + " " + strconv.Quote(redactURL(ue.URL)) + ": " + ue.Err.Error()
-	}
-	if req != nil && req.URL != nil {
-		if q := req.URL.RawQuery; q != "" {
-			msg = strings.ReplaceAll(msg, q, "[redacted]")
-		}
-		if u := req.URL.User; u != nil {
-			if s := u.String(); s != "" {
-				msg = strings.ReplaceAll(msg, s, "[redacted]")
-			}
-			if p, ok := u.Password(); ok && p != "" {
-				msg = strings.ReplaceAll(msg, p, "[redacted]")
-			}
-		}
-	}
-	if len(msg) > maxMessageBytes {
-		cut := maxMessageBytes
-		for cut > 0 && !utf8.RuneStart(msg[cut]) {
-			cut--
-		}
-		msg = msg[:cut] + "…"
-	}
-	return msg
-}
-
-func redactURL(raw string) string {
-	u, err := url.Parse(raw)
-	if err != nil {
-		return "[unparseable URL]"
-	}
-	u.User, u.RawQuery, u.ForceQuery, u.Fragment, u.RawFragment = nil, "", false, "", ""
-	return u.String()
-}
-
 // settle moves the submitted receipt per the verdict, with a context that
 // outlives ctx. It returns the error it recorded, if any, and the detail.
 func (c *Caller) settle(ctx context.Context, r *Receipt, ex Exchange, v Verdict, overridden bool, st *sendStats) (*Receipt, *CallError, Detail, error) {
@@ -1204,7 +1163,10 @@ func (c *Caller) settle(ctx context.Context, r *Receipt, ex Exchange, v Verdict,
 		d.Evidence = ev
 	} else {
 		code, ch1 := sanitize.Text(v.Code, 64)
-		msg, ch2 := sanitize.Text(v.Message, maxMessageBytes)
+		// A Classify override's message or an ExternalID error may quote
+		// the request or the response: every form of the call's
+		// credentials goes before it is stored.
+		msg, ch2 := sanitize.Text(redactRequestText(v.Message, ex.Request), maxMessageBytes)
 		cause = &CallError{Code: code, Message: msg, HTTPStatus: ex.Status(), Retryable: v.Retryable}
 		d.Error = cause
 		if ch1 || ch2 {
