@@ -734,7 +734,7 @@ func (a *Adapter) readPassOnce(ctx context.Context, sc *scope, first *url.URL, m
 			}
 			if why := usableID(id); why != "" {
 				// The effect is there, but its id cannot be recorded as is.
-				return nil, readback.PermanentError(fmt.Errorf("%s: item %d matched by %s, but its id at %q is %s: "+
+				return nil, readback.PermanentError(fmt.Errorf("%s: item %d matched by %s, but its id at %q %s: "+
 					"it cannot be recorded as the external id", u.Redacted(), i, by, s.id.text, why))
 			}
 			if !seen[id] { // pages may overlap when the list moves under us

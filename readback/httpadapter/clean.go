@@ -45,11 +45,11 @@ func clean(s string, max int) string {
 func usableID(id string) string {
 	switch {
 	case len(id) > maxIDBytes:
-		return "longer than 255 bytes"
+		return "is longer than 255 bytes"
 	case !utf8.ValidString(id) || strings.ContainsRune(id, utf8.RuneError):
 		// encoding/json decodes invalid UTF-8 in a string as U+FFFD: an id
 		// holding one was (almost surely) altered on the way.
-		return "not valid UTF-8"
+		return "is not valid UTF-8"
 	case strings.ContainsFunc(id, func(r rune) bool { return r < 0x20 || r == 0x7f }):
 		return "holds a control character"
 	}
