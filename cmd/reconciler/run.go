@@ -107,7 +107,8 @@ func runAction(c *cli.Context) error {
 	}
 	// The pool tags its own lines with the instance; everything else here
 	// gets it from logger.
-	base := slog.New(slog.NewJSONHandler(c.App.ErrWriter, &slog.HandlerOptions{Level: level}))
+	// Log lines are JSON, made safe to show too: they carry outside text.
+	base := slog.New(slog.NewJSONHandler(jsonLines{c.App.ErrWriter}, &slog.HandlerOptions{Level: level}))
 	logger := base.With("instance", instance)
 
 	// The adapters file is checked before anything connects, so a bad file

@@ -180,3 +180,16 @@ func jsonText(b []byte) []byte {
 // through the guard only: its own "\n" and "\t" pass, any other control
 // character is escaped.
 func (s *screen) Write(p []byte) (int, error) { return s.w.Write(p) }
+
+// jsonLines writes encoded JSON documents, one per Write as log/slog's
+// JSON handler writes them, through jsonText: the daemon's logs carry text
+// from APIs and agents, and an operator tails them on a terminal.
+type jsonLines struct{ w io.Writer }
+
+// Write writes p with jsonText applied and reports p as written whole.
+func (j jsonLines) Write(p []byte) (int, error) {
+	if _, err := j.w.Write(jsonText(p)); err != nil {
+		return 0, err
+	}
+	return len(p), nil
+}

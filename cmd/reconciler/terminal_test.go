@@ -5,6 +5,7 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
+	"log/slog"
 	"net/http"
 	"net/http/httptest"
 	"os"
@@ -335,4 +336,21 @@ adapters:
 		t.Fatalf("exit %d, want 1:\n%s\n%s", code, out, errOut)
 	}
 	assertShown(t, "adapters check --control", out+errOut, "shop-items: failed", "holds a control character")
+}
+
+// Issue 8, item 7: the daemon's JSON log lines escape what encoding/json
+// leaves raw (DEL, C1, bidi controls) and stay valid JSON that reads back
+// the same text.
+func TestLogLinesAreEscaped(t *testing.T) {
+	var buf bytes.Buffer
+	log := slog.New(slog.NewJSONHandler(jsonLines{&buf}, nil))
+	log.Info("readback check failed", "error", "BODY"+evil)
+	line := strings.TrimSuffix(buf.String(), "\n")
+	if strings.ContainsFunc(line, func(r rune) bool { return r == 0x7f || r >= 0x80 && r <= 0x9f || r == 0x202e }) {
+		t.Fatalf("raw control character in the log line: %q", line)
+	}
+	var rec struct{ Error string }
+	if err := json.Unmarshal([]byte(line), &rec); err != nil || rec.Error != "BODY"+evil {
+		t.Fatalf("the log line does not read back: %v %q", err, rec.Error)
+	}
 }
