@@ -514,6 +514,10 @@ func (c *Client) Transition(ctx context.Context, m Move) (*Receipt, error) {
 	}
 	switch code, pe := pgCode(err); code {
 	case codeIllegal:
+		// The trigger's message starts "illegal transition" itself.
+		if rest, ok := strings.CutPrefix(pe.Message, statemachine.ErrIllegalTransition.Error()+" "); ok {
+			return nil, fmt.Errorf("ledger: receipt %d: %w %s", m.ID, statemachine.ErrIllegalTransition, rest)
+		}
 		return nil, fmt.Errorf("ledger: receipt %d: %w: %s", m.ID, statemachine.ErrIllegalTransition, pe.Message)
 	case codeDuplicate:
 		// planned -> submitted re-checks the duplicate guard: another

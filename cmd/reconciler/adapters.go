@@ -73,6 +73,9 @@ func adaptersCheckAction(c *cli.Context) error {
 			return cli.Exit(fmt.Sprintf("adapters check: database: %v", err), 1) // pgx redacts passwords
 		}
 		defer db.Close()
+		if err := checkLedger(c.Context, "adapters check", db, readLedger); err != nil {
+			return err
+		}
 		// Reads end their window at the database's now, as under `run`.
 		clock := dbclock.New(db)
 		if _, err := clock.Sync(c.Context); err != nil {

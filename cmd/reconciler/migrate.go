@@ -3,6 +3,7 @@ package main
 import (
 	"errors"
 	"fmt"
+	"time"
 
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/pressly/goose/v3"
@@ -44,10 +45,24 @@ func migrateCommand() *cli.Command {
 				Usage: "apply every pending migration",
 				Action: func(c *cli.Context) error {
 					return withProvider(c, func(p *goose.Provider) error {
-						if _, err := p.Up(c.Context); err != nil {
+						res, err := p.Up(c.Context)
+						for _, r := range res {
+							if r.Error == nil {
+								fmt.Fprintf(c.App.Writer, "applied %s (%s)\n", r.Source.Path, r.Duration.Round(time.Millisecond))
+							}
+						}
+						if err != nil {
 							return err
 						}
-						fmt.Fprintln(c.App.Writer, "migrations: up to date")
+						v, err := p.GetDBVersion(c.Context)
+						if err != nil {
+							return err
+						}
+						if len(res) == 0 {
+							fmt.Fprintf(c.App.Writer, "migrations: nothing to apply, the schema is at version %d\n", v)
+						} else {
+							fmt.Fprintf(c.App.Writer, "migrations: applied %d, the schema is at version %d\n", len(res), v)
+						}
 						return nil
 					})
 				},
@@ -71,22 +86,34 @@ func migrateCommand() *cli.Command {
 			},
 			{
 				Name:  "status",
-				Usage: "list migrations and whether each is applied",
+				Usage: "list migrations and whether each is applied (reads only: creates nothing)",
 				Action: func(c *cli.Context) error {
-					return withProvider(c, func(p *goose.Provider) error {
-						sts, err := p.Status(c.Context)
-						if err != nil {
-							return err
+					if c.String("database-url") == "" {
+						return cli.Exit("migrate: --database-url (or RECONCILER_DATABASE_URL) is empty", 2)
+					}
+					pool, err := pgxpool.New(c.Context, c.String("database-url"))
+					if err != nil {
+						return cli.Exit(fmt.Sprintf("migrate status: %v", err), 1)
+					}
+					defer pool.Close()
+					ms, exists, unknown, err := migrations.Status(c.Context, pool)
+					if err != nil {
+						return cli.Exit(fmt.Sprintf("migrate status: %v", err), 1)
+					}
+					if !exists {
+						fmt.Fprintln(c.App.Writer, "no schema: nothing applied")
+					}
+					for _, m := range ms {
+						applied := "pending"
+						if m.Applied {
+							applied = "applied " + m.AppliedAt.UTC().Format("2006-01-02 15:04:05Z")
 						}
-						for _, s := range sts {
-							applied := "pending"
-							if s.State == goose.StateApplied {
-								applied = "applied " + s.AppliedAt.UTC().Format("2006-01-02 15:04:05Z")
-							}
-							fmt.Fprintf(c.App.Writer, "%-40s %s\n", s.Source.Path, applied)
-						}
-						return nil
-					})
+						fmt.Fprintf(c.App.Writer, "%-40s %s\n", m.File, applied)
+					}
+					for _, v := range unknown {
+						fmt.Fprintf(c.App.Writer, "%-40s applied, unknown to this binary (a newer reconciler migrated it)\n", fmt.Sprintf("%05d", v))
+					}
+					return nil
 				},
 			},
 		},

@@ -101,7 +101,7 @@ func reviewListAction(c *cli.Context) error {
 	if c.Duration("older-than") < 0 {
 		return cli.Exit(fmt.Sprintf("%s: --older-than must not be negative", cmd), 2)
 	}
-	pool, err := openPool(c, cmd)
+	pool, err := openPool(c, cmd, readLedger)
 	if err != nil {
 		return err
 	}
@@ -111,7 +111,7 @@ func reviewListAction(c *cli.Context) error {
 		OlderThan: c.Duration("older-than"), Limit: c.Int("limit"),
 	})
 	if err != nil {
-		return cli.Exit(fmt.Sprintf("%s: %v", cmd, err), 1)
+		return dbFailure(cmd, pool, err, readLedger)
 	}
 	if c.Bool("json") {
 		if held == nil {
@@ -121,7 +121,11 @@ func reviewListAction(c *cli.Context) error {
 	}
 	scr := newScreen(c.App.Writer)
 	if len(held) == 0 {
-		scr.Printf("no receipts held in manual_review\n")
+		if c.IsSet("operation") || c.IsSet("dependency") || c.Duration("older-than") > 0 {
+			scr.Printf("no receipts match: none held in manual_review has the operation, dependency or age asked for\n")
+		} else {
+			scr.Printf("no receipts held in manual_review\n")
+		}
 		return nil
 	}
 	tw := scr.Table()
@@ -193,7 +197,7 @@ func decide(c *cli.Context, cmd string, move func(pool *pgxpool.Pool, operator, 
 	if err != nil {
 		return cli.Exit(fmt.Sprintf("%s: %v", cmd, err), 2)
 	}
-	pool, err := openPool(c, cmd)
+	pool, err := openPool(c, cmd, moveHeld)
 	if err != nil {
 		return err
 	}
@@ -207,7 +211,7 @@ func decide(c *cli.Context, cmd string, move func(pool *pgxpool.Pool, operator, 
 		errors.Is(err, review.ErrInvalidResolution):
 		return cli.Exit(fmt.Sprintf("%s: %v", cmd, err), 2)
 	}
-	return cli.Exit(fmt.Sprintf("%s: %v", cmd, err), 1)
+	return dbFailure(cmd, pool, err, moveHeld)
 }
 
 // operatorName is the --operator flag (or RECONCILER_OPERATOR), else the OS
@@ -286,10 +290,16 @@ func interspersed(c *cli.Context, cmd string) ([]string, error) {
 	return args, nil
 }
 
-func openPool(c *cli.Context, cmd string) (*pgxpool.Pool, error) {
+// openPool connects to --database-url and checks, reading only, that the
+// schema is current and that the login may do what need says.
+func openPool(c *cli.Context, cmd string, need access) (*pgxpool.Pool, error) {
 	pool, err := pgxpool.New(c.Context, c.String("database-url"))
 	if err != nil {
 		return nil, cli.Exit(fmt.Sprintf("%s: %v", cmd, err), 1)
+	}
+	if err := checkLedger(c.Context, cmd, pool, need); err != nil {
+		pool.Close()
+		return nil, err
 	}
 	return pool, nil
 }
@@ -301,14 +311,14 @@ func showAction(c *cli.Context, cmd string) error {
 	if err != nil {
 		return err
 	}
-	pool, err := openPool(c, cmd)
+	pool, err := openPool(c, cmd, readLedger)
 	if err != nil {
 		return err
 	}
 	defer pool.Close()
 	t, err := review.Show(c.Context, pool, id)
 	if err != nil {
-		return cli.Exit(fmt.Sprintf("%s: %v", cmd, err), 1)
+		return dbFailure(cmd, pool, err, readLedger)
 	}
 	if c.Bool("json") {
 		return writeJSON(c.App.Writer, t)

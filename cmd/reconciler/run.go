@@ -126,12 +126,8 @@ func runAction(c *cli.Context) error {
 		return cli.Exit(fmt.Sprintf("run: database: %v", err), 1) // pgx redacts passwords
 	}
 	defer db.Close()
-	current, err := migrations.Current(ctx, db)
-	if err != nil {
-		return cli.Exit(fmt.Sprintf("run: database: %v", err), 1)
-	}
-	if !current {
-		return cli.Exit("run: the database schema is not current: run `reconciler migrate up` first", 1)
+	if err := checkLedger(ctx, "run", db, settle); err != nil {
+		return err // read-only: a runtime command never creates or migrates the schema
 	}
 
 	// One clock (SPEC §5a): every comparison with a stored time, in the
@@ -212,6 +208,10 @@ func runAction(c *cli.Context) error {
 			return cli.Exit(fmt.Sprintf("run --once: %v", err), 1)
 		}
 		return nil
+	}
+	// The backlog gauges from the start, not after the first metrics interval.
+	if b, err := pool.Store().Backlog(ctx, clock.Now(), cfg.StalePlannedAfter, cfg.OrphanTimeout); err == nil {
+		metrics.SetBacklog(b)
 	}
 	logger.Info("reconciler started", "adapters", len(reg.Bindings()), "workers", cfg.Workers, "batch_size", cfg.BatchSize)
 	sum, err := pool.Run(ctx)
@@ -440,9 +440,8 @@ func serveHTTP(addr string, db *pgxpool.Pool, reg *prometheus.Registry, logger *
 			http.Error(w, "database unreachable", http.StatusServiceUnavailable)
 			return
 		}
-		current, err := migrations.Current(ctx, db)
-		if err != nil || !current {
-			http.Error(w, "database schema not current", http.StatusServiceUnavailable)
+		if err := migrations.Check(ctx, db); err != nil {
+			http.Error(w, "database schema not current: "+err.Error(), http.StatusServiceUnavailable)
 			return
 		}
 		body := readiness{Status: "ready", UnhealthyAdapters: []reconcile.AdapterHealth{}}

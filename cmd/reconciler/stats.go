@@ -23,6 +23,9 @@ func statsCommand() *cli.Command {
 			&cli.BoolFlag{Name: "json", Usage: "print JSON instead of name=value lines"},
 		},
 		Action: func(c *cli.Context) error {
+			if c.Args().Present() {
+				return cli.Exit(fmt.Sprintf("stats: unexpected argument %q", c.Args().First()), 2)
+			}
 			db, err := pgxpool.New(c.Context, c.String("database-url"))
 			if err != nil {
 				return cli.Exit(fmt.Sprintf("stats: %v", err), 1)
@@ -32,9 +35,12 @@ func statsCommand() *cli.Command {
 			if err != nil {
 				return cli.Exit(fmt.Sprintf("stats: %v", err), 1)
 			}
+			if err := checkLedger(c.Context, "stats", db, readBacklog); err != nil {
+				return err
+			}
 			b, err := store.Backlog(c.Context, time.Now(), c.Duration("stale-planned-after"), c.Duration("orphan-timeout"))
 			if err != nil {
-				return cli.Exit(fmt.Sprintf("stats: %v", err), 1)
+				return dbFailure("stats", db, err, readBacklog)
 			}
 			fields := []struct {
 				name  string
