@@ -153,6 +153,13 @@ GRANT USAGE ON SCHEMA reconciler
 GRANT EXECUTE ON FUNCTION reconciler.transition_error(text, text, text)
     TO reconciler_agent, reconciler_worker, reconciler_reviewer;
 
+-- Every role reads goose's version table: each runtime command checks,
+-- reading only, that the schema is the version it needs before it starts
+-- (`run`, `/readyz`, `stats`, `review`, `receipts show`, `adapters check`),
+-- and an agent may do the same at start-up.
+GRANT SELECT ON reconciler.goose_db_version
+    TO reconciler_agent, reconciler_worker, reconciler_reviewer, reconciler_readonly;
+
 -- reconciler_agent: plan (reconciler.plan, which runs with the caller's
 -- rights: it reads receipt_keys and receipts, locks a retried receipt FOR
 -- UPDATE, and inserts the receipt with its send deadline), move (ledger's
@@ -211,11 +218,12 @@ GRANT UPDATE (state, state_actor, state_detail, external_id)
     ON reconciler.receipts TO reconciler_reviewer;
 
 -- reconciler_readonly: `reconciler stats` and dashboards. Reads the ledger,
--- the reconciler's records, the shared breaker state and goose's version
--- table (whether the schema is current); executes nothing, writes nothing.
+-- the reconciler's records and the shared breaker state (and goose's version
+-- table, above); executes nothing, writes nothing. `receipts show` and
+-- `review list|show` work under it too.
 GRANT SELECT ON reconciler.receipts, reconciler.receipt_events, reconciler.readback_checks,
                 reconciler.duplicate_alarms, reconciler.late_outcomes,
-                reconciler.dependency_breakers, reconciler.goose_db_version
+                reconciler.dependency_breakers
     TO reconciler_readonly;
 
 COMMIT;
