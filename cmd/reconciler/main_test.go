@@ -27,10 +27,11 @@ func TestMigrate(t *testing.T) {
 		code     int
 		contains string
 	}{
+		{[]string{"migrate", "--database-url", url, "status"}, 0, "no schema: nothing applied"},
 		{[]string{"migrate", "--database-url", url, "status"}, 0, "pending"},
-		{[]string{"migrate", "--database-url", url, "up"}, 0, "up to date"},
+		{[]string{"migrate", "--database-url", url, "up"}, 0, "applied 00001_receipts.sql"},
 		{[]string{"migrate", "--database-url", url, "status"}, 0, "applied"},
-		{[]string{"migrate", "--database-url", url, "up"}, 0, "up to date"},
+		{[]string{"migrate", "--database-url", url, "up"}, 0, "nothing to apply, the schema is at version 5"},
 	}
 	for _, s := range steps {
 		code, out, errOut := runCLI(t, "", s.args...)

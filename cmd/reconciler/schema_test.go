@@ -1,0 +1,297 @@
+package main
+
+import (
+	"context"
+	"fmt"
+	"io"
+	"log/slog"
+	"net"
+	"net/http"
+	"net/url"
+	"os"
+	"path/filepath"
+	"regexp"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/receiptledger/reconciler/internal/pgtest"
+	"github.com/receiptledger/reconciler/migrations"
+)
+
+// staticAdapters writes an adapters file whose one adapter reads back the
+// receipts of dependency "blog" as present, without calling anything.
+func staticAdapters(t *testing.T) string {
+	t.Helper()
+	path := filepath.Join(t.TempDir(), "adapters.yaml")
+	src := "version: 1\nadapters:\n  - {name: blog, type: static, kind: create, dependency: blog, static: {verdict: present}}\n"
+	if err := os.WriteFile(path, []byte(src), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	return path
+}
+
+// runtimeCommands are the commands that need a current schema, on url.
+func runtimeCommands(t *testing.T, url string) map[string][]string {
+	adapters := staticAdapters(t)
+	return map[string][]string{
+		"run --once":             {"run", "--once", "--adapters", adapters, "--database-url", url},
+		"stats":                  {"stats", "--database-url", url},
+		"review list":            {"review", "list", "--database-url", url},
+		"review show":            {"review", "show", "--database-url", url, "1"},
+		"review resolve":         {"review", "resolve", "--database-url", url, "--as", "succeeded", "--reason", "checked", "--operator", "t", "1"},
+		"review requeue":         {"review", "requeue", "--database-url", url, "--reason", "look again", "--operator", "t", "1"},
+		"receipts show":          {"receipts", "show", "--database-url", url, "1"},
+		"adapters check receipt": {"adapters", "check", "--config", adapters, "--database-url", url, "--receipt", "1"},
+		"adapters check control": {"adapters", "check", "--config", adapters, "--database-url", url, "--control"},
+	}
+}
+
+// schemaExists reports whether the database has a reconciler schema.
+func schemaExists(t *testing.T, url string) bool {
+	t.Helper()
+	var ok bool
+	if err := pgtest.Pool(t, url).QueryRow(context.Background(),
+		`SELECT EXISTS (SELECT FROM pg_namespace WHERE nspname = 'reconciler')`).Scan(&ok); err != nil {
+		t.Fatal(err)
+	}
+	return ok
+}
+
+func wantOneLine(t *testing.T, name string, code int, stdout, stderr string, wantCode int, contains ...string) {
+	t.Helper()
+	line := strings.TrimSpace(stderr)
+	t.Logf("%s: exit %d: %s", name, code, line)
+	if code != wantCode || strings.Contains(line, "\n") || strings.Contains(line, "SQLSTATE") {
+		t.Errorf("%s: exit %d, stderr %q (stdout %q); want exit %d and one line without a raw SQL error", name, code, stderr, stdout, wantCode)
+		return
+	}
+	for _, s := range contains {
+		if !strings.Contains(line, s) {
+			t.Errorf("%s: stderr %q; want it to say %q", name, line, s)
+		}
+	}
+}
+
+// Issue 10, items 1 and 6: on a database never migrated, every runtime
+// command exits 1 with one line naming the fix, and creates nothing.
+func TestUnmigratedDatabase(t *testing.T) {
+	url := pgtest.NewEmptyDatabase(t)
+	for name, args := range runtimeCommands(t, url) {
+		code, out, errOut := runCLI(t, "", args...)
+		wantOneLine(t, name, code, out, errOut, 1, "no reconciler schema", "reconciler migrate up --database-url")
+	}
+	code, out, errOut := runCLI(t, "", "migrate", "--database-url", url, "status")
+	if code != 0 || !strings.Contains(out, "no schema: nothing applied") || !strings.Contains(out, "00005_input_limits.sql") ||
+		strings.Contains(out, "applied 2") {
+		t.Errorf("migrate status: exit %d, stdout %q, stderr %q", code, out, errOut)
+	}
+	if body := readyz(t, url); !strings.Contains(body, "503") || !strings.Contains(body, "no reconciler schema") {
+		t.Errorf("/readyz: %s", body)
+	}
+	if schemaExists(t, url) {
+		t.Fatal("a read-only command created the reconciler schema")
+	}
+}
+
+// A database migrated up to 00004 only: each command names 00005.
+func TestSchemaBehind(t *testing.T) {
+	url := pgtest.NewEmptyDatabase(t)
+	pool := pgtest.Pool(t, url)
+	db := migrations.OpenDB(pool)
+	defer db.Close()
+	p, err := migrations.NewProvider(context.Background(), db)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := p.UpTo(context.Background(), 4); err != nil {
+		t.Fatal(err)
+	}
+	for name, args := range runtimeCommands(t, url) {
+		code, out, errOut := runCLI(t, "", args...)
+		wantOneLine(t, name, code, out, errOut, 1, "migration 00005_input_limits.sql is not applied", "reconciler migrate up --database-url")
+	}
+	if body := readyz(t, url); !strings.Contains(body, "503") || !strings.Contains(body, "00005_input_limits.sql") {
+		t.Errorf("/readyz: %s", body)
+	}
+	code, out, errOut := runCLI(t, "", "migrate", "--database-url", url, "status")
+	if code != 0 || !strings.Contains(out, "00004_soundness.sql") || !regexpLine(out, `00005_input_limits.sql\s+pending`) {
+		t.Errorf("migrate status: exit %d, stdout %q, stderr %q", code, out, errOut)
+	}
+	code, out, errOut = runCLI(t, "", "migrate", "--database-url", url, "up")
+	if code != 0 || !strings.Contains(out, "applied 00005_input_limits.sql") || !strings.Contains(out, "applied 1, the schema is at version 5") {
+		t.Errorf("migrate up: exit %d, stdout %q, stderr %q", code, out, errOut)
+	}
+	code, out, errOut = runCLI(t, "", "stats", "--database-url", url)
+	if code != 0 {
+		t.Errorf("stats after migrate up: exit %d %q %q", code, out, errOut)
+	}
+}
+
+// A database a newer binary migrated: the binary says to upgrade.
+func TestSchemaAhead(t *testing.T) {
+	url := pgtest.NewDatabase(t)
+	if _, err := pgtest.Pool(t, url).Exec(context.Background(),
+		`INSERT INTO reconciler.goose_db_version (version_id, is_applied) VALUES (99999, true)`); err != nil {
+		t.Fatal(err)
+	}
+	code, out, errOut := runCLI(t, "", "stats", "--database-url", url)
+	wantOneLine(t, "stats", code, out, errOut, 1, "ahead", "99999", "upgrade reconciler")
+}
+
+func regexpLine(out, pattern string) bool {
+	for _, l := range strings.Split(out, "\n") {
+		if regexp.MustCompile(pattern).MatchString(l) {
+			return true
+		}
+	}
+	return false
+}
+
+// readyz serves /readyz on url's database and returns "<status> <body>".
+func readyz(t *testing.T, url string) string {
+	t.Helper()
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	addr := l.Addr().String()
+	l.Close()
+	srv, err := serveHTTP(addr, pgtest.Pool(t, url), prometheus.NewRegistry(), slog.New(slog.NewTextHandler(io.Discard, nil)), nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer srv.Close()
+	resp, err := http.Get("http://" + addr + "/readyz")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	b, _ := io.ReadAll(resp.Body)
+	return fmt.Sprintf("%d %s", resp.StatusCode, b)
+}
+
+// roleURLs applies docs/roles.sql to url's database and returns a URL
+// logging in as a new member of each role.
+func roleURLs(t *testing.T, dbURL string) map[string]string {
+	t.Helper()
+	ctx := context.Background()
+	owner := pgtest.Pool(t, dbURL)
+	sql, err := os.ReadFile("../../docs/roles.sql")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := owner.Exec(ctx, string(sql)); err != nil {
+		t.Fatalf("apply docs/roles.sql: %v", err)
+	}
+	urls := map[string]string{}
+	for _, role := range []string{"agent", "worker", "reviewer", "readonly"} {
+		name, pw := "ct_"+role+"_"+fmt.Sprint(time.Now().UnixNano()%1e9), "pw"+fmt.Sprint(time.Now().UnixNano())
+		if _, err := owner.Exec(ctx, fmt.Sprintf(`CREATE ROLE %s LOGIN PASSWORD '%s' IN ROLE %s`,
+			pgx.Identifier{name}.Sanitize(), pw, pgx.Identifier{"reconciler_" + role}.Sanitize())); err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() {
+			id := pgx.Identifier{name}.Sanitize()
+			for _, q := range []string{`DROP OWNED BY ` + id, `DROP ROLE ` + id} {
+				if _, err := owner.Exec(ctx, q); err != nil {
+					t.Logf("cleanup %s: %v", q, err)
+				}
+			}
+		})
+		u, err := url.Parse(dbURL)
+		if err != nil {
+			t.Fatal(err)
+		}
+		u.User = url.UserPassword(name, pw)
+		urls[role] = u.String()
+	}
+	return urls
+}
+
+// Issue 10, item 1: every runtime command runs under the role of
+// docs/roles.sql it is documented for, and outside it is refused with one
+// line saying the login lacks the right.
+func TestCommandsUnderRoles(t *testing.T) {
+	t.Setenv("RECONCILER_OPERATOR", "")
+	dbURL := pgtest.NewDatabase(t)
+	owner := pgtest.Pool(t, dbURL)
+	held := heldReceipt(t, owner, "articles.create", "blog", 1)
+	held2 := heldReceipt(t, owner, "articles.create", "blog", 2)
+	unknownReceipt(t, owner, "articles.create", "blog", 3)
+	urls := roleURLs(t, dbURL)
+	adapters := staticAdapters(t)
+	id, id2 := fmt.Sprint(held), fmt.Sprint(held2)
+	type want struct {
+		code     int
+		contains string
+	}
+	ok := want{0, ""}
+	tests := []struct {
+		name  string
+		args  func(url string) []string
+		roles map[string]want
+	}{
+		{"stats", func(u string) []string { return []string{"stats", "--database-url", u} }, map[string]want{
+			"readonly": ok, "worker": ok, "reviewer": ok,
+			"agent": {1, "may not read the backlog"},
+		}},
+		{"receipts show", func(u string) []string { return []string{"receipts", "show", "--database-url", u, id} }, map[string]want{
+			"readonly": ok, "reviewer": ok,
+			"worker": {1, "may not read receipts"}, "agent": {1, "may not read receipts"},
+		}},
+		{"review list", func(u string) []string { return []string{"review", "list", "--database-url", u} }, map[string]want{
+			"reviewer": ok, "readonly": ok,
+			"worker": {1, "may not read receipts"}, "agent": {1, "may not read receipts"},
+		}},
+		{"adapters check --receipt", func(u string) []string {
+			return []string{"adapters", "check", "--config", adapters, "--database-url", u, "--receipt", id2}
+		}, map[string]want{
+			"reviewer": ok, "readonly": ok,
+			"worker": {1, "may not read receipts"}, "agent": {1, "may not read receipts"},
+		}},
+		// Outside its role first: a refused move changes nothing, so the
+		// reviewer still finds the receipt held.
+		{"review resolve", func(u string) []string {
+			return []string{"review", "resolve", "--database-url", u, "--as", "succeeded", "--reason", "found it", "--operator", "t", id}
+		}, map[string]want{
+			"readonly": {1, "may not move held receipts (docs/roles.sql grants that to reconciler_reviewer)"},
+			"worker":   {1, "may not move held receipts"},
+			"agent":    {1, "only a member of reconciler_reviewer may leave manual_review"},
+		}},
+		{"review resolve", func(u string) []string {
+			return []string{"review", "resolve", "--database-url", u, "--as", "succeeded", "--reason", "found it", "--operator", "t", id}
+		}, map[string]want{"reviewer": ok}},
+		{"run --once", func(u string) []string {
+			return []string{"run", "--once", "--adapters", adapters, "--instance", "t", "--database-url", u}
+		}, map[string]want{
+			"worker":   ok,
+			"readonly": {1, "may not claim and settle receipts (docs/roles.sql grants that to reconciler_worker)"},
+			"reviewer": {1, "may not claim and settle receipts"},
+			"agent":    {1, "may not claim and settle receipts"},
+		}},
+	}
+	for _, tt := range tests {
+		for _, role := range []string{"readonly", "agent", "worker", "reviewer"} {
+			w, listed := tt.roles[role]
+			if !listed {
+				continue
+			}
+			code, out, errOut := runCLI(t, "", tt.args(urls[role])...)
+			name := tt.name + " as " + role
+			if w.code == 0 {
+				if code != 0 {
+					t.Errorf("%s: exit %d, stdout %q, stderr %q", name, code, out, errOut)
+				}
+				continue
+			}
+			wantOneLine(t, name, code, out, errOut, w.code, w.contains)
+			if strings.Contains(errOut, "illegal transition: illegal transition") {
+				t.Errorf("%s: %q says it twice", name, errOut)
+			}
+		}
+	}
+}
