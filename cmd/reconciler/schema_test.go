@@ -142,6 +142,23 @@ func TestSchemaAhead(t *testing.T) {
 	wantOneLine(t, "stats", code, out, errOut, 1, "ahead", "99999", "upgrade reconciler")
 }
 
+// Issue 10, item 8: `stats extra` is refused like `review list extra`, and
+// a filtered empty `review list` says nothing matches, not that none is held.
+func TestStatsExtraAndEmptyFilter(t *testing.T) {
+	db := newReviewDB(t)
+	code, out, errOut := runCLI(t, "", "stats", "--database-url", db.url, "extra")
+	wantOneLine(t, "stats extra", code, out, errOut, 2, `unexpected argument "extra"`)
+	code, out, errOut = runCLI(t, "", "review", "list", "--database-url", db.url, "--operation", "nothing.matches")
+	if code != 0 || !strings.HasPrefix(out, "no receipts match") {
+		t.Errorf("filtered empty review list: exit %d, stdout %q, stderr %q", code, out, errOut)
+	}
+	empty := pgtest.NewDatabase(t)
+	code, out, errOut = runCLI(t, "", "review", "list", "--database-url", empty)
+	if code != 0 || !strings.HasPrefix(out, "no receipts held in manual_review") {
+		t.Errorf("empty review list: exit %d, stdout %q, stderr %q", code, out, errOut)
+	}
+}
+
 func regexpLine(out, pattern string) bool {
 	for _, l := range strings.Split(out, "\n") {
 		if regexp.MustCompile(pattern).MatchString(l) {
@@ -188,10 +205,14 @@ func roleURLs(t *testing.T, dbURL string) map[string]string {
 		t.Fatalf("apply docs/roles.sql: %v", err)
 	}
 	urls := map[string]string{}
-	for _, role := range []string{"agent", "worker", "reviewer", "readonly"} {
+	for _, role := range []string{"agent", "worker", "reviewer", "readonly", "none"} {
 		name, pw := "ct_"+role+"_"+fmt.Sprint(time.Now().UnixNano()%1e9), "pw"+fmt.Sprint(time.Now().UnixNano())
-		if _, err := owner.Exec(ctx, fmt.Sprintf(`CREATE ROLE %s LOGIN PASSWORD '%s' IN ROLE %s`,
-			pgx.Identifier{name}.Sanitize(), pw, pgx.Identifier{"reconciler_" + role}.Sanitize())); err != nil {
+		in := " IN ROLE " + pgx.Identifier{"reconciler_" + role}.Sanitize()
+		if role == "none" { // a login in no role of docs/roles.sql
+			in = ""
+		}
+		if _, err := owner.Exec(ctx, fmt.Sprintf(`CREATE ROLE %s LOGIN PASSWORD '%s'%s`,
+			pgx.Identifier{name}.Sanitize(), pw, in)); err != nil {
 			t.Fatal(err)
 		}
 		t.Cleanup(func() {
@@ -238,6 +259,7 @@ func TestCommandsUnderRoles(t *testing.T) {
 		{"stats", func(u string) []string { return []string{"stats", "--database-url", u} }, map[string]want{
 			"readonly": ok, "worker": ok, "reviewer": ok,
 			"agent": {1, "may not read the backlog"},
+			"none":  {1, "cannot read the schema version (reconciler.goose_db_version)"},
 		}},
 		{"receipts show", func(u string) []string { return []string{"receipts", "show", "--database-url", u, id} }, map[string]want{
 			"readonly": ok, "reviewer": ok,
@@ -275,7 +297,7 @@ func TestCommandsUnderRoles(t *testing.T) {
 		}},
 	}
 	for _, tt := range tests {
-		for _, role := range []string{"readonly", "agent", "worker", "reviewer"} {
+		for _, role := range []string{"readonly", "agent", "worker", "reviewer", "none"} {
 			w, listed := tt.roles[role]
 			if !listed {
 				continue

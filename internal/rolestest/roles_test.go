@@ -23,6 +23,7 @@ import (
 	"github.com/receiptledger/reconciler/internal/pgtest"
 	"github.com/receiptledger/reconciler/internal/protect"
 	"github.com/receiptledger/reconciler/ledger"
+	"github.com/receiptledger/reconciler/migrations"
 	"github.com/receiptledger/reconciler/readback"
 	"github.com/receiptledger/reconciler/reconcile"
 	"github.com/receiptledger/reconciler/review"
@@ -728,4 +729,22 @@ func TestReadonly(t *testing.T) {
 		stmt{"update goose_db_version", `UPDATE reconciler.goose_db_version SET is_applied = false`, nil},
 		stmt{"read receipt_keys", `SELECT * FROM reconciler.receipt_keys`, nil},
 	))
+}
+
+// TestEveryRoleChecksSchema: each role of docs/roles.sql can run the
+// read-only schema check every runtime command starts with (issue 10,
+// item 1), and a login in none of them is told it cannot read the version.
+func TestEveryRoleChecksSchema(t *testing.T) {
+	ctx := context.Background()
+	e := setup(t)
+	ro := loginPool(t, e.owner, e.url, "reconciler_readonly")
+	for name, p := range map[string]*pgxpool.Pool{"agent": e.agent, "worker": e.worker, "reviewer": e.reviewer, "readonly": ro} {
+		if err := migrations.Check(ctx, p); err != nil {
+			t.Errorf("%s: schema check: %v", name, err)
+		}
+	}
+	nobody := loginPool(t, e.owner, e.url, "pg_monitor") // a role, but none of docs/roles.sql
+	if err := migrations.Check(ctx, nobody); !errors.Is(err, migrations.ErrSchemaUnreadable) {
+		t.Errorf("login in no reconciler role: schema check: %v, want ErrSchemaUnreadable", err)
+	}
 }
