@@ -28,7 +28,12 @@ func main() {
 // 1 for bad input or a failed operation, 2 for usage errors.
 func run(ctx context.Context, args []string, stdin io.Reader, stdout, stderr io.Writer) int {
 	app := newApp(stdin, stdout, stderr)
-	err := app.RunContext(ctx, normalizeArgs(app, args))
+	args, unknown := normalizeArgs(app, args)
+	if unknown != "" {
+		fmt.Fprintln(stderr, "reconciler: "+termText(oneLine(unknown)))
+		return 2
+	}
+	err := app.RunContext(ctx, args)
 	if err == nil {
 		return 0
 	}
@@ -107,10 +112,16 @@ func databaseURLFlag() *cli.StringFlag {
 // command path, then moves each flag right after the deepest command on that
 // path that declares it (a flag no command on the path declares goes to the
 // last one, whose parser refuses it by name), and the positional arguments
-// after every flag. Everything after "--" stays positional.
-func normalizeArgs(app *cli.App, args []string) []string {
+// after every flag. Everything after "--" stays positional; with --help the
+// positional arguments are dropped (urfave/cli would read the first as a
+// help topic).
+//
+// A command with subcommands takes no positional argument, so a word that
+// names none of them is an unknown command: unknown is then the one-line
+// usage error to print (exit 2), before any flag is checked.
+func normalizeArgs(app *cli.App, args []string) (_ []string, unknown string) {
 	if len(args) < 2 {
-		return args
+		return args, ""
 	}
 	values := flagsTakingValues(app.Commands)
 	type level struct {
@@ -152,9 +163,18 @@ func normalizeArgs(app *cli.App, args []string) []string {
 		}
 		positional = append(positional, tok)
 	}
+	path := "reconciler"
+	for _, l := range levels[1:] {
+		path += " " + l.name
+	}
+	if len(positional) > 0 && len(subs) > 0 && positional[0] != "help" {
+		return nil, fmt.Sprintf("unknown command %q (see %s --help)", path+" "+positional[0], path)
+	}
 	for _, f := range pending {
 		at := len(levels) - 1
-		if f.name != "help" && f.name != "h" {
+		if f.name == "help" || f.name == "h" {
+			positional, tail = nil, nil
+		} else {
 			for i := len(levels) - 1; i >= 1; i-- {
 				if declares(levels[i].cmd.Flags, f.name) {
 					at = i
@@ -173,7 +193,7 @@ func normalizeArgs(app *cli.App, args []string) []string {
 		out = append(out, "--")
 	}
 	out = append(out, positional...)
-	return append(out, tail...)
+	return append(out, tail...), ""
 }
 
 // flagsTakingValues maps every flag name in the command tree to whether it
@@ -214,12 +234,28 @@ func declares(flags []cli.Flag, name string) bool {
 	return false
 }
 
+// optionalParentFlags makes a parent command's flags optional to
+// the parser: urfave/cli checks them before it reaches the subcommand, so
+// `migrate up --help` would fail on a missing --database-url. The
+// subcommands check the value themselves (migrate refuses an empty URL with
+// exit 2).
+func optionalParentFlags(c *cli.Command) {
+	for _, f := range c.Flags {
+		if sf, ok := f.(*cli.StringFlag); ok && sf.Required {
+			sf.Required = false
+		}
+	}
+}
+
 // refuseUnknownSubcommands gives every command that has subcommands but no
 // action of its own one that refuses an unknown subcommand as a usage error
 // (exit 2, one line) instead of urfave/cli's "No help topic" (exit 3).
 func refuseUnknownSubcommands(prefix string, cmds []*cli.Command) {
 	for _, c := range cmds {
 		path := prefix + " " + c.Name
+		if len(c.Subcommands) > 0 {
+			optionalParentFlags(c)
+		}
 		if len(c.Subcommands) > 0 && c.Action == nil {
 			c.Action = func(ctx *cli.Context) error {
 				if first := ctx.Args().First(); first != "" && first != "help" {
