@@ -40,6 +40,7 @@ func TestNormalizeArgs(t *testing.T) {
 		{"--database-url U migrate nonsense", `unknown command "reconciler migrate nonsense" (see reconciler migrate --help)`},
 		{"nonsense", `unknown command "reconciler nonsense" (see reconciler --help)`},
 		{"migrate help", "migrate help"},
+		{"review resolve 4 --as rejected --reason", "review resolve: flag needs an argument: --reason"},
 		// A flag no command on the path declares stays on the last one,
 		// whose parser refuses it by name.
 		{"migrate up --bogus", "migrate up --bogus"},

@@ -117,8 +117,9 @@ func databaseURLFlag() *cli.StringFlag {
 // help topic).
 //
 // A command with subcommands takes no positional argument, so a word that
-// names none of them is an unknown command: unknown is then the one-line
-// usage error to print (exit 2), before any flag is checked.
+// names none of them is an unknown command, and a flag that takes a value
+// cannot end the line: unknown is then the one-line usage error to print
+// (exit 2), before any flag is checked.
 func normalizeArgs(app *cli.App, args []string) (_ []string, unknown string) {
 	if len(args) < 2 {
 		return args, ""
@@ -136,6 +137,7 @@ func normalizeArgs(app *cli.App, args []string) (_ []string, unknown string) {
 	levels := []*level{{name: args[0]}}
 	var pending []flagTok
 	var positional, tail []string
+	missing := "" // a flag that wants a value and ends the line
 	subs := app.Commands
 	for rest := args[1:]; len(rest) > 0; {
 		tok := rest[0]
@@ -147,7 +149,11 @@ func normalizeArgs(app *cli.App, args []string) (_ []string, unknown string) {
 		if len(tok) > 1 && tok[0] == '-' {
 			name, _, inline := strings.Cut(strings.TrimLeft(tok, "-"), "=")
 			words := []string{tok}
-			if !inline && values[name] && len(rest) > 0 {
+			if !inline && values[name] {
+				if len(rest) == 0 {
+					missing = tok
+					break
+				}
 				words = append(words, rest[0])
 				rest = rest[1:]
 			}
@@ -169,6 +175,9 @@ func normalizeArgs(app *cli.App, args []string) (_ []string, unknown string) {
 	}
 	if len(positional) > 0 && len(subs) > 0 && positional[0] != "help" {
 		return nil, fmt.Sprintf("unknown command %q (see %s --help)", path+" "+positional[0], path)
+	}
+	if missing != "" {
+		return nil, fmt.Sprintf("%s: flag needs an argument: %s", strings.TrimPrefix(path, "reconciler "), missing)
 	}
 	for _, f := range pending {
 		at := len(levels) - 1
@@ -247,14 +256,31 @@ func optionalParentFlags(c *cli.Command) {
 	}
 }
 
+// longFlagNames writes the flag in the standard library's "flag provided
+// but not defined: -name" as it was most likely typed, --name.
+func longFlagNames(msg string) string {
+	const undefined = "flag provided but not defined: -"
+	if rest, ok := strings.CutPrefix(msg, undefined); ok && len(rest) > 1 {
+		return undefined + "-" + rest
+	}
+	return msg
+}
+
 // refuseUnknownSubcommands gives every command that has subcommands but no
 // action of its own one that refuses an unknown subcommand as a usage error
-// (exit 2, one line) instead of urfave/cli's "No help topic" (exit 3).
+// (exit 2, one line) instead of urfave/cli's "No help topic" (exit 3), and
+// makes every usage error (unknown flag, bad value) one line, exit 2,
+// escaped by run, instead of a help page printed unescaped on stdout.
 func refuseUnknownSubcommands(prefix string, cmds []*cli.Command) {
 	for _, c := range cmds {
 		path := prefix + " " + c.Name
 		if len(c.Subcommands) > 0 {
 			optionalParentFlags(c)
+		}
+		if c.OnUsageError == nil {
+			c.OnUsageError = func(_ *cli.Context, err error, _ bool) error {
+				return cli.Exit(path[len("reconciler "):]+": "+longFlagNames(err.Error()), 2)
+			}
 		}
 		if len(c.Subcommands) > 0 && c.Action == nil {
 			c.Action = func(ctx *cli.Context) error {
