@@ -184,7 +184,14 @@ func LoadFile(path string, extra Types) (*Registry, error) {
 	return Load(path, bytes.NewReader(data), extra)
 }
 
-// Load is LoadFile for a reader; name is used in errors.
+// ErrNoAdapters is the error of a file that declares no adapter: a daemon
+// with none sends every receipt to manual_review, which must be asked for
+// explicitly (`reconciler run --no-adapters`), not reached by an empty or
+// truncated file.
+var ErrNoAdapters = errors.New("no adapters declared (a reconciler without adapters sends every receipt to manual_review; run it with --no-adapters instead)")
+
+// Load is LoadFile for a reader; name is used in errors. A file that
+// declares no adapter is refused with an error matching ErrNoAdapters.
 func Load(name string, r io.Reader, extra Types) (*Registry, error) {
 	types := BuiltinTypes()
 	for k, f := range extra {
@@ -203,19 +210,14 @@ func Load(name string, r io.Reader, extra Types) (*Registry, error) {
 	}
 	reg := NewRegistry()
 	if len(doc.Content) == 0 {
-		return reg, nil // an empty file declares no adapters
+		return nil, fail("", "adapters", 0, ErrNoAdapters)
 	}
 	root := doc.Content[0]
 	if err := checkKeys(root, topKeys()); err != nil {
 		return nil, fail("", err.field, err.line, err.err)
 	}
-	var fc fileConfig
-	if err := root.Decode(&fc); err != nil {
-		return nil, fail("", "", root.Line, err)
-	}
-	if fc.Version != 1 {
-		return nil, fail("", "version", root.Line, fmt.Errorf("must be 1, got %d", fc.Version))
-	}
+	// The defaults are checked before the file is decoded, so that a bad
+	// duration there names its field and line, not the document's.
 	if n := mapValue(root, "defaults"); n != nil {
 		if err := checkKeys(n, policyKeys()); err != nil {
 			return nil, fail("", "defaults."+err.field, err.line, err.err)
@@ -223,6 +225,16 @@ func Load(name string, r io.Reader, extra Types) (*Registry, error) {
 		if err := checkPolicyKeys(n, "defaults."); err != nil {
 			return nil, fail("", err.field, err.line, err.err)
 		}
+	}
+	var fc fileConfig
+	if err := root.Decode(&fc); err != nil {
+		return nil, fail("", "", root.Line, err)
+	}
+	if fc.Version != 1 {
+		return nil, fail("", "version", lineOf(root, "version"), fmt.Errorf("must be 1, got %d", fc.Version))
+	}
+	if len(fc.Adapters) == 0 {
+		return nil, fail("", "adapters", lineOf(root, "adapters"), ErrNoAdapters)
 	}
 	defaults := fc.Defaults.apply(DefaultPolicy())
 	var deps map[string]DependencyLimits
@@ -330,7 +342,16 @@ func decodeAdapter(n *yaml.Node, types Types, defaults Policy) (Binding, error) 
 				field += "." + fe.Field
 				err = fe.Err
 			}
-			return Binding{}, &keyError{field: field, line: lineOf(n, typ), err: err}
+			// The line of the field itself (e.g. search.bogus on line
+			// 11), else of the deepest key of its path found, else of
+			// the settings block.
+			line := lineOf(n, typ)
+			if fe != nil {
+				if k := mapKey(mapValue(n, typ), fe.Field); k != nil {
+					line = k.Line
+				}
+			}
+			return Binding{}, &keyError{field: field, line: line, err: err}
 		}
 		b.Adapter = adapter
 	}

@@ -3,6 +3,8 @@ package main
 import (
 	"bytes"
 	"context"
+	crand "crypto/rand"
+	"encoding/hex"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -16,6 +18,7 @@ import (
 	"sync"
 	"time"
 
+	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/urfave/cli/v2"
 
@@ -38,8 +41,10 @@ func demoCommand() *cli.Command {
 		Name:  "demo",
 		Usage: "run agents, a faulty fake API and the reconciler end to end, then check for duplicates",
 		Flags: []cli.Flag{
-			&cli.StringFlag{Name: "database-url", EnvVars: []string{"RECONCILER_DATABASE_URL"},
-				Usage: "Postgres URL (default: a throwaway cluster from the local server binaries)"},
+			// No EnvVars: RECONCILER_DATABASE_URL points at the real
+			// ledger, and the demo never writes there.
+			&cli.StringFlag{Name: "database-url",
+				Usage: "Postgres server to use: the demo creates a database of its own there (reconciler_demo_<random>, needs CREATEDB) and drops it at the end; RECONCILER_DATABASE_URL is ignored (default: a throwaway cluster from the local server binaries)"},
 			&cli.IntFlag{Name: "tasks", Value: 40, Usage: "articles the agents create"},
 			&cli.Float64Flag{Name: "fault-rate", Value: 0.4, Usage: "share of writes whose answer is lost"},
 			&cli.Uint64Flag{Name: "seed", Value: 7, Usage: "seed of the fault schedule"},
@@ -58,6 +63,7 @@ func runDemo(ctx context.Context, out io.Writer, dbURL string, tasks int, faultR
 	if tasks < 1 || faultRate < 0 || faultRate > 1 {
 		return errors.New("--tasks must be at least 1 and --fault-rate within [0, 1]")
 	}
+	var pool *pgxpool.Pool
 	if dbURL == "" {
 		fmt.Fprintln(out, "starting a throwaway Postgres cluster from the local server binaries ...")
 		cluster, err := pgcluster.Start()
@@ -65,11 +71,16 @@ func runDemo(ctx context.Context, out io.Writer, dbURL string, tasks int, faultR
 			return fmt.Errorf("no --database-url and no local cluster: %w", err)
 		}
 		defer cluster.Stop()
-		dbURL = cluster.URL
-	}
-	pool, err := pgxpool.New(ctx, dbURL)
-	if err != nil {
-		return err
+		if pool, err = pgxpool.New(ctx, cluster.URL); err != nil {
+			return err
+		}
+	} else {
+		var drop func()
+		var err error
+		if pool, drop, err = demoDatabase(ctx, out, dbURL); err != nil {
+			return err
+		}
+		defer drop()
 	}
 	defer pool.Close()
 	if err := migrations.Up(ctx, pool); err != nil {
@@ -191,6 +202,47 @@ func runDemo(ctx context.Context, out io.Writer, dbURL string, tasks int, faultR
 	}
 	fmt.Fprintln(out, "strict success: every task done exactly once, no duplicates, nothing lost")
 	return nil
+}
+
+// demoDatabase creates a database of the demo's own on the server dbURL
+// names, so that its receipts never mix with a real ledger's and two runs
+// never meet, and returns a pool on it and the function that closes the
+// pool and drops the database (even after an interrupt).
+func demoDatabase(ctx context.Context, out io.Writer, dbURL string) (*pgxpool.Pool, func(), error) {
+	cfg, err := pgxpool.ParseConfig(dbURL)
+	if err != nil {
+		return nil, nil, err
+	}
+	admin, err := pgx.ConnectConfig(ctx, cfg.ConnConfig.Copy())
+	if err != nil {
+		return nil, nil, err
+	}
+	var b [6]byte
+	_, _ = crand.Read(b[:])
+	name := "reconciler_demo_" + hex.EncodeToString(b[:])
+	if _, err := admin.Exec(ctx, "CREATE DATABASE "+name); err != nil {
+		admin.Close(context.WithoutCancel(ctx))
+		return nil, nil, fmt.Errorf("create a database of the demo's own (the role needs CREATEDB): %w", err)
+	}
+	fmt.Fprintf(out, "working in database %s on that server (dropped at the end; the server's other databases are not touched)\n", name)
+	cfg.ConnConfig.Database = name
+	pool, err := pgxpool.NewWithConfig(ctx, cfg)
+	drop := func() {
+		if pool != nil {
+			pool.Close()
+		}
+		bg, cancel := context.WithTimeout(context.WithoutCancel(ctx), 30*time.Second)
+		defer cancel()
+		if _, err := admin.Exec(bg, "DROP DATABASE IF EXISTS "+name+" WITH (FORCE)"); err != nil {
+			fmt.Fprintf(out, "could not drop database %s: %v\n", name, err)
+		}
+		admin.Close(bg)
+	}
+	if err != nil {
+		drop()
+		return nil, nil, err
+	}
+	return pool, drop, nil
 }
 
 func callAll(n int, f func(int) error) {

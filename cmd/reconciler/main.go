@@ -11,6 +11,7 @@ import (
 	"io"
 	"os"
 	"os/signal"
+	"slices"
 	"strings"
 	"syscall"
 
@@ -27,6 +28,11 @@ func main() {
 // 1 for bad input or a failed operation, 2 for usage errors.
 func run(ctx context.Context, args []string, stdin io.Reader, stdout, stderr io.Writer) int {
 	app := newApp(stdin, stdout, stderr)
+	args, unknown := normalizeArgs(app, args)
+	if unknown != "" {
+		fmt.Fprintln(stderr, "reconciler: "+termText(oneLine(unknown)))
+		return 2
+	}
 	err := app.RunContext(ctx, args)
 	if err == nil {
 		return 0
@@ -53,7 +59,7 @@ func oneLine(msg string) string {
 }
 
 func newApp(stdin io.Reader, stdout, stderr io.Writer) *cli.App {
-	return &cli.App{
+	app := &cli.App{
 		Name:            "reconciler",
 		Usage:           "make side-effecting API calls safe when their outcome is unknown",
 		Reader:          stdin,
@@ -80,8 +86,11 @@ func newApp(stdin io.Reader, stdout, stderr io.Writer) *cli.App {
 			adaptersCommand(),
 			reviewCommand(),
 			receiptsCommand(),
+			versionCommand(),
 		},
 	}
+	refuseUnknownSubcommands("reconciler", app.Commands)
+	return app
 }
 
 // databaseURLFlag is the --database-url flag shared by every command that
@@ -92,5 +101,195 @@ func databaseURLFlag() *cli.StringFlag {
 		Usage:    "Postgres URL of the receipt ledger",
 		EnvVars:  []string{"RECONCILER_DATABASE_URL"},
 		Required: true,
+	}
+}
+
+// normalizeArgs lets every flag go wherever people put it: before or after
+// the subcommand, before or after positional arguments. urfave/cli v2 parses
+// a command's flags only between its name and its first positional
+// argument, so `migrate up --database-url URL`, `--database-url URL migrate
+// status` and `review show 12 --json` would each be refused. This walks the
+// command path, then moves each flag right after the deepest command on that
+// path that declares it (a flag no command on the path declares goes to the
+// last one, whose parser refuses it by name), and the positional arguments
+// after every flag. Everything after "--" stays positional; with --help the
+// positional arguments are dropped (urfave/cli would read the first as a
+// help topic).
+//
+// A command with subcommands takes no positional argument, so a word that
+// names none of them is an unknown command, and a flag that takes a value
+// cannot end the line: unknown is then the one-line usage error to print
+// (exit 2), before any flag is checked.
+func normalizeArgs(app *cli.App, args []string) (_ []string, unknown string) {
+	if len(args) < 2 {
+		return args, ""
+	}
+	values := flagsTakingValues(app.Commands)
+	type level struct {
+		name  string
+		cmd   *cli.Command // nil for the program itself
+		flags []string
+	}
+	type flagTok struct {
+		name  string
+		words []string
+	}
+	levels := []*level{{name: args[0]}}
+	var pending []flagTok
+	var positional, tail []string
+	missing := "" // a flag that wants a value and ends the line
+	subs := app.Commands
+	for rest := args[1:]; len(rest) > 0; {
+		tok := rest[0]
+		rest = rest[1:]
+		if tok == "--" {
+			tail = rest
+			break
+		}
+		if len(tok) > 1 && tok[0] == '-' {
+			name, _, inline := strings.Cut(strings.TrimLeft(tok, "-"), "=")
+			words := []string{tok}
+			if !inline && values[name] {
+				if len(rest) == 0 {
+					missing = tok
+					break
+				}
+				words = append(words, rest[0])
+				rest = rest[1:]
+			}
+			pending = append(pending, flagTok{name, words})
+			continue
+		}
+		if len(positional) == 0 {
+			if c := findCommand(subs, tok); c != nil {
+				levels = append(levels, &level{name: tok, cmd: c})
+				subs = c.Subcommands
+				continue
+			}
+		}
+		positional = append(positional, tok)
+	}
+	path := "reconciler"
+	for _, l := range levels[1:] {
+		path += " " + l.name
+	}
+	if len(positional) > 0 && len(subs) > 0 && positional[0] != "help" {
+		return nil, fmt.Sprintf("unknown command %q (see %s --help)", path+" "+positional[0], path)
+	}
+	if missing != "" {
+		return nil, fmt.Sprintf("%s: flag needs an argument: %s", strings.TrimPrefix(path, "reconciler "), missing)
+	}
+	for _, f := range pending {
+		at := len(levels) - 1
+		if f.name == "help" || f.name == "h" {
+			positional, tail = nil, nil
+		} else {
+			for i := len(levels) - 1; i >= 1; i-- {
+				if declares(levels[i].cmd.Flags, f.name) {
+					at = i
+					break
+				}
+			}
+		}
+		levels[at].flags = append(levels[at].flags, f.words...)
+	}
+	out := make([]string, 0, len(args)+1)
+	for _, l := range levels {
+		out = append(out, l.name)
+		out = append(out, l.flags...)
+	}
+	if len(tail) > 0 {
+		out = append(out, "--")
+	}
+	out = append(out, positional...)
+	return append(out, tail...), ""
+}
+
+// flagsTakingValues maps every flag name in the command tree to whether it
+// takes a value (every flag but a boolean one does).
+func flagsTakingValues(cmds []*cli.Command) map[string]bool {
+	m := map[string]bool{}
+	var walk func([]*cli.Command)
+	walk = func(cmds []*cli.Command) {
+		for _, c := range cmds {
+			for _, f := range c.Flags {
+				tv, ok := f.(cli.DocGenerationFlag)
+				for _, n := range f.Names() {
+					m[n] = !ok || tv.TakesValue()
+				}
+			}
+			walk(c.Subcommands)
+		}
+	}
+	walk(cmds)
+	return m
+}
+
+func findCommand(cmds []*cli.Command, name string) *cli.Command {
+	for _, c := range cmds {
+		if slices.Contains(c.Names(), name) {
+			return c
+		}
+	}
+	return nil
+}
+
+func declares(flags []cli.Flag, name string) bool {
+	for _, f := range flags {
+		if slices.Contains(f.Names(), name) {
+			return true
+		}
+	}
+	return false
+}
+
+// optionalParentFlags makes a parent command's flags optional to
+// the parser: urfave/cli checks them before it reaches the subcommand, so
+// `migrate up --help` would fail on a missing --database-url. The
+// subcommands check the value themselves (migrate refuses an empty URL with
+// exit 2).
+func optionalParentFlags(c *cli.Command) {
+	for _, f := range c.Flags {
+		if sf, ok := f.(*cli.StringFlag); ok && sf.Required {
+			sf.Required = false
+		}
+	}
+}
+
+// longFlagNames writes the flag in the standard library's "flag provided
+// but not defined: -name" as it was most likely typed, --name.
+func longFlagNames(msg string) string {
+	const undefined = "flag provided but not defined: -"
+	if rest, ok := strings.CutPrefix(msg, undefined); ok && len(rest) > 1 {
+		return undefined + "-" + rest
+	}
+	return msg
+}
+
+// refuseUnknownSubcommands gives every command that has subcommands but no
+// action of its own one that refuses an unknown subcommand as a usage error
+// (exit 2, one line) instead of urfave/cli's "No help topic" (exit 3), and
+// makes every usage error (unknown flag, bad value) one line, exit 2,
+// escaped by run, instead of a help page printed unescaped on stdout.
+func refuseUnknownSubcommands(prefix string, cmds []*cli.Command) {
+	for _, c := range cmds {
+		path := prefix + " " + c.Name
+		if len(c.Subcommands) > 0 {
+			optionalParentFlags(c)
+		}
+		if c.OnUsageError == nil {
+			c.OnUsageError = func(_ *cli.Context, err error, _ bool) error {
+				return cli.Exit(path[len("reconciler "):]+": "+longFlagNames(err.Error()), 2)
+			}
+		}
+		if len(c.Subcommands) > 0 && c.Action == nil {
+			c.Action = func(ctx *cli.Context) error {
+				if first := ctx.Args().First(); first != "" && first != "help" {
+					return cli.Exit(fmt.Sprintf("unknown command %q (see %s --help)", path+" "+first, path), 2)
+				}
+				return cli.ShowSubcommandHelp(ctx)
+			}
+		}
+		refuseUnknownSubcommands(path, c.Subcommands)
 	}
 }

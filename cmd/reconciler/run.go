@@ -41,7 +41,9 @@ func runFlags() []cli.Flag {
 	return []cli.Flag{
 		databaseURLFlag(),
 		&cli.StringFlag{Name: "adapters", EnvVars: []string{"RECONCILER_ADAPTERS"},
-			Usage: "adapters file (YAML); without it every receipt is adapter-less and goes to manual_review"},
+			Usage: "adapters file (YAML); required unless --no-adapters"},
+		&cli.BoolFlag{Name: "no-adapters", EnvVars: []string{"RECONCILER_NO_ADAPTERS"},
+			Usage: "run without adapters: every receipt that needs a readback goes to manual_review (without --adapters, or with a file that declares none)"},
 		&cli.BoolFlag{Name: "once", EnvVars: []string{"RECONCILER_ONCE"},
 			Usage: "drain what is due now, print a summary and exit (for cron)"},
 		&cli.StringFlag{Name: "instance", EnvVars: []string{"RECONCILER_INSTANCE"},
@@ -114,11 +116,22 @@ func runAction(c *cli.Context) error {
 	// The adapters file is checked before anything connects, so a bad file
 	// fails at once; its adapters are built once the database's clock is
 	// known, below.
-	adaptersPath := c.String("adapters")
+	// A daemon with no adapters sends every receipt to manual_review: it
+	// runs so only when asked with --no-adapters, never because the file
+	// was forgotten, empty or truncated.
+	adaptersPath, noAdapters := c.String("adapters"), c.Bool("no-adapters")
 	if adaptersPath != "" {
-		if _, err := httpadapter.LoadFile(adaptersPath, nil); err != nil {
+		_, err := httpadapter.LoadFile(adaptersPath, nil)
+		switch {
+		case noAdapters && errors.Is(err, readback.ErrNoAdapters):
+			adaptersPath = "" // the file agrees: no adapters
+		case err != nil:
 			return cli.Exit(fmt.Sprintf("run: %v", err), 1)
+		case noAdapters:
+			return cli.Exit(fmt.Sprintf("run: --no-adapters, but %s declares adapters: drop one or the other", adaptersPath), 2)
 		}
+	} else if !noAdapters {
+		return cli.Exit("run: no --adapters file: pass one, or --no-adapters to run without adapters (every receipt then goes to manual_review)", 2)
 	}
 
 	db, err := pgxpool.New(ctx, c.String("database-url"))
@@ -150,7 +163,7 @@ func runAction(c *cli.Context) error {
 			return cli.Exit(fmt.Sprintf("run: %v", err), 1)
 		}
 	} else {
-		logger.Warn("no adapters file: every receipt will go to manual_review as adapter-less")
+		logger.Warn("running with no adapters (--no-adapters): every receipt that needs a readback goes to manual_review as adapter-less")
 	}
 
 	promReg := prometheus.NewRegistry()
