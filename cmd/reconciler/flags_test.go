@@ -190,7 +190,7 @@ func TestSharedFlagsAgainstADatabase(t *testing.T) {
 		contains string
 	}{
 		{[]string{"migrate", "status", "--database-url", url}, 0, "pending"},
-		{[]string{"migrate", "up", "--database-url", url}, 0, "up to date"},
+		{[]string{"migrate", "up", "--database-url", url}, 0, "the schema is at version"},
 		{[]string{"--database-url", url, "migrate", "status"}, 0, "applied"},
 		{[]string{"stats", "--json", "--database-url", url}, 0, "{"},
 		{[]string{"--database-url", url, "review", "list", "--json"}, 0, "[]"},
