@@ -577,7 +577,10 @@ func (s *session) process(c Claimed) Outcome {
 			}
 			p.log.Debug("check deferred", "receipt_id", c.ID, "dependency", c.Dependency,
 				"reason", d.Reason, "until", d.Until)
-			return p.dec.release(c, later(d.Until, now))
+			// A deferral is a wait, not a check: it does not use up
+			// max_checks; only the deadline ends a receipt whose
+			// dependency can never be read.
+			return p.dec.waitOrDeadline(now, c, b, later(d.Until, now))
 		}
 		return p.dec.release(c, now)
 	}
