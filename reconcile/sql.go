@@ -277,3 +277,30 @@ const sqlListen = `LISTEN reconciler_due`
 // notifyChannel is the channel the receipts row trigger (00001) notifies
 // when a receipt becomes outcome_unknown.
 const notifyChannel = "reconciler_due"
+
+// sqlRenew extends the leases of rows in flight (the heartbeat), in one
+// statement per batch: $1 ids, $2 their lease tokens, $3 the new expiry.
+// Only rows still reconciling and still leased by the token are renewed;
+// next_check_at follows the lease, so a row whose holder dies is due again
+// exactly when its lease runs out (as after a claim).
+const sqlRenew = `
+UPDATE reconciler.receipts r
+SET lease_expires_at = $3, next_check_at = $3
+FROM unnest($1::bigint[], $2::text[]) AS u(id, lease)
+WHERE r.id = ANY ($1::bigint[]) AND r.id = u.id
+  AND r.state = 'reconciling' AND r.lease_owner = u.lease
+RETURNING r.id`
+
+// sqlReclaimOwn releases, due now ($3), the rows leased by an earlier
+// process of this instance: tokens "<instance>/<nonce>/<seq>" with instance
+// $1 and a nonce other than this process's ($2). A restart under the same
+// instance name resumes at once instead of waiting out its old leases. It
+// walks the partial index receipts_due (reconciling rows only).
+const sqlReclaimOwn = `
+UPDATE reconciler.receipts r
+SET lease_owner = NULL, lease_expires_at = NULL, next_check_at = $3
+WHERE r.state = 'reconciling' AND r.lease_owner IS NOT NULL
+  AND left(r.lease_owner, length($1) + 1) = $1 || '/'
+  AND substr(r.lease_owner, length($1) + 2) ~ '^[0-9a-f]{8}/[0-9]+$'
+  AND NOT starts_with(r.lease_owner, $1 || '/' || $2 || '/')
+  AND r.lease_expires_at > $3`

@@ -109,6 +109,39 @@ func (s *Store) ClaimAt(ctx context.Context, dueBy, now time.Time, limit int, le
 	return out, nil
 }
 
+// Renew extends to expires the leases of the rows ids, each still held by
+// its token in tokens, in one statement, and returns the ids renewed.
+func (s *Store) Renew(ctx context.Context, ids []int64, tokens []string, expires time.Time) ([]int64, error) {
+	if len(ids) == 0 {
+		return nil, nil
+	}
+	rows, err := s.pool.Query(ctx, sqlRenew, ids, tokens, expires)
+	if err != nil {
+		return nil, fmt.Errorf("reconcile: renew leases: %w", err)
+	}
+	renewed, err := pgx.CollectRows(rows, pgx.RowTo[int64])
+	if err != nil {
+		return nil, fmt.Errorf("reconcile: renew leases: %w", err)
+	}
+	return renewed, nil
+}
+
+// ReclaimOwn releases, due at now, the rows still leased by an earlier
+// process of this store's instance (a process that crashed or was killed
+// and restarted under the same name), and returns how many. Instance names
+// must be unique among live processes: a second live process of the same
+// name would lose its rows in flight to this (their outcomes are then
+// discarded by the lease guard, nothing worse).
+func (s *Store) ReclaimOwn(ctx context.Context, now time.Time) (int64, error) {
+	ctx, cancel := context.WithTimeout(ctx, 30*time.Second)
+	defer cancel()
+	tag, err := s.pool.Exec(ctx, sqlReclaimOwn, s.instance, s.nonce, now)
+	if err != nil {
+		return 0, fmt.Errorf("reconcile: reclaim own leases: %w", err)
+	}
+	return tag.RowsAffected(), nil
+}
+
 // Outcome is what happened to one claimed row.
 type Outcome struct {
 	ID    int64
