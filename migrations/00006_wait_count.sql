@@ -10,6 +10,18 @@
 
 -- +goose Up
 ALTER TABLE reconciler.receipts ADD COLUMN wait_count integer NOT NULL DEFAULT 0;
+-- Where the roles of docs/roles.sql are already in use, the daemon's role
+-- may write the new column as it writes check_count (docs/roles.sql grants
+-- it too, for databases set up after this migration).
+-- +goose StatementBegin
+DO $$
+BEGIN
+    IF to_regrole('reconciler_worker') IS NOT NULL THEN
+        GRANT UPDATE (wait_count) ON reconciler.receipts TO reconciler_worker;
+    END IF;
+END
+$$;
+-- +goose StatementEnd
 
 -- +goose Down
 ALTER TABLE reconciler.receipts DROP COLUMN wait_count;
