@@ -428,7 +428,7 @@ func (s *session) claimLoop(once bool, wake <-chan struct{}) error {
 	}
 	// A restart under the same instance name takes back at once the rows
 	// its previous process held, instead of waiting out their leases.
-	if n, err := p.store.ReclaimOwn(s.stop, cfg.Now()); err != nil {
+	if n, err := p.store.ReclaimOwn(s.stop, cfg.Now(), cfg.SweepTimeout); err != nil {
 		if s.stop.Err() == nil {
 			s.dbError("reclaim own leases", err)
 		}

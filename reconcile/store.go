@@ -126,20 +126,34 @@ func (s *Store) Renew(ctx context.Context, ids []int64, tokens []string, expires
 	return renewed, nil
 }
 
-// ReclaimOwn releases, due at now, the rows still leased by an earlier
+// ReclaimOwn releases (within limit, like SweepOrphans), due at now, the rows still leased by an earlier
 // process of this store's instance (a process that crashed or was killed
 // and restarted under the same name), and returns how many. Instance names
 // must be unique among live processes: a second live process of the same
 // name would lose its rows in flight to this (their outcomes are then
 // discarded by the lease guard, nothing worse).
-func (s *Store) ReclaimOwn(ctx context.Context, now time.Time) (int64, error) {
-	ctx, cancel := context.WithTimeout(ctx, 30*time.Second)
+func (s *Store) ReclaimOwn(ctx context.Context, now time.Time, limit time.Duration) (int64, error) {
+	// Bounded like the orphan sweep (client, statement and lock timeouts):
+	// a lock held elsewhere must not stop the start.
+	if limit <= 0 {
+		limit = DefaultSweepLimit
+	}
+	ctx, cancel := context.WithTimeout(ctx, limit+time.Second)
 	defer cancel()
-	tag, err := s.pool.Exec(ctx, sqlReclaimOwn, s.instance, s.nonce, now)
+	var n int64
+	err := pgx.BeginFunc(ctx, s.pool, func(tx pgx.Tx) error {
+		if _, err := tx.Exec(ctx, sqlSweepLimits, strconv.FormatInt(max(limit.Milliseconds(), 1), 10),
+			strconv.FormatInt(max(limit.Milliseconds()/2, 1), 10)); err != nil {
+			return err
+		}
+		tag, err := tx.Exec(ctx, sqlReclaimOwn, s.instance, s.nonce, now)
+		n = tag.RowsAffected()
+		return err
+	})
 	if err != nil {
 		return 0, fmt.Errorf("reconcile: reclaim own leases: %w", err)
 	}
-	return tag.RowsAffected(), nil
+	return n, nil
 }
 
 // Outcome is what happened to one claimed row.
