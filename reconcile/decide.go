@@ -39,7 +39,16 @@ type Evidence struct {
 	Verdict       string        `json:"verdict,omitempty"`
 	Authoritative bool          `json:"authoritative,omitempty"`
 	Matched       []string      `json:"matched,omitempty"`
-	Checks        int           `json:"checks"`
+	// Checks counts the reads that count against max_checks: those that
+	// returned an answer or a classified error, since the receipt (last)
+	// became outcome_unknown.
+	Checks int `json:"checks"`
+	// Waits counts the times the receipt was handed back without such a
+	// read: deferred by its dependency's protection (breaker open, budget
+	// spent, rate or concurrency limit), held back for a positive control,
+	// or released because its lease was too short or the reconciler was
+	// stopping. Waiting is not checking: waits never use up max_checks.
+	Waits int `json:"waits"`
 	// SinceSubmissionSec is the time from submission to the moment the read
 	// began (SPEC §5a: never the moment its answer arrived).
 	SinceSubmissionSec float64 `json:"since_submission_s"`
@@ -54,7 +63,9 @@ type Evidence struct {
 	// ReuseKeyBefore is set when absence relied on the API's native
 	// idempotency keys: the retry must reuse the original key before then.
 	ReuseKeyBefore *time.Time `json:"reuse_idempotency_key_before,omitempty"`
-	// Bound names the bound that was hit: max_checks or deadline.
+	// Bound names the bound that ended a bound_reached settlement:
+	// max_checks (Checks reads were made) or deadline (the receipt could
+	// not be proven before Policy.Deadline, however many waits).
 	Bound           string          `json:"bound,omitempty"`
 	AdapterEvidence json.RawMessage `json:"adapter_evidence,omitempty"`
 	// Control says which positive control made the adapter's absence
@@ -149,14 +160,48 @@ func (d decider) late(now time.Time, c Claimed, b *readback.Binding, lo LateOutc
 	return out
 }
 
-// release puts c back, due at next, without counting a check.
+// release puts c back, due at next, without counting a check: a wait.
 func (d decider) release(c Claimed, next time.Time) Outcome {
-	return Outcome{ID: c.ID, Lease: c.Lease, To: statemachine.Reconciling, NextCheck: next, Dependency: c.Dependency}
+	return Outcome{ID: c.ID, Lease: c.Lease, To: statemachine.Reconciling, NextCheck: next, Dependency: c.Dependency,
+		Waited: true}
+}
+
+// waitOrDeadline puts c back until next without counting a check, unless
+// the receipt's deadline (b's policy, from the moment it became
+// outcome_unknown) has passed at now: then it settles manual_review with
+// bound_reached, bound "deadline". A receipt whose dependency can never be
+// read (its breaker stays open, its budget stays spent) is ended by its
+// deadline, never by max_checks. The next check is not put after the
+// deadline, so the receipt ends on time.
+func (d decider) waitOrDeadline(now time.Time, c Claimed, b *readback.Binding, next time.Time) Outcome {
+	deadline := deadlineOf(c, b.Policy)
+	if !now.Before(deadline) {
+		ev := d.evidence(now, c, b, c.Checks)
+		ev.Waits++
+		ev.Bound = "deadline"
+		return Outcome{ID: c.ID, Lease: c.Lease, To: statemachine.ManualReview, Waited: true,
+			Detail: Detail{Reason: ReasonBoundReached, Evidence: ev}, Adapter: b.Name, Dependency: c.Dependency}
+	}
+	if next.After(deadline) {
+		next = deadline
+	}
+	return d.release(c, next)
+}
+
+// deadlineOf is c's deadline under p: the bounds run from the moment the
+// receipt (last) became outcome_unknown (a requeue by a reviewer starts them
+// afresh, and resets check_count and wait_count with it).
+func deadlineOf(c Claimed, p readback.Policy) time.Time {
+	since := c.UnknownSince
+	if since.IsZero() {
+		since = c.SubmittedAt
+	}
+	return since.Add(p.Deadline)
 }
 
 func (d decider) evidence(now time.Time, c Claimed, b *readback.Binding, checks int) *Evidence {
 	send := readback.SendDeadlineOf(c.Receipt)
-	ev := &Evidence{Operation: c.Operation, Dependency: c.Dependency, Checks: checks,
+	ev := &Evidence{Operation: c.Operation, Dependency: c.Dependency, Checks: checks, Waits: c.Waits,
 		SinceSubmissionSec: now.Sub(c.SubmittedAt).Seconds(), SendDeadline: &send,
 		LateOutcomes: c.LateOutcomes}
 	if b != nil {
@@ -247,30 +292,36 @@ func (d decider) decide(readAt, answeredAt time.Time, c Claimed, b *readback.Bin
 	// The bounds run from the moment the receipt (last) became
 	// outcome_unknown: a requeue by a reviewer starts them afresh, and the
 	// trigger resets check_count with it.
-	since := c.UnknownSince
-	if since.IsZero() {
-		since = c.SubmittedAt
-	}
-	deadline := since.Add(p.Deadline)
-	bound := ""
-	switch {
-	case checks >= p.MaxChecks:
-		bound = "max_checks"
-	case !now.Before(deadline):
-		bound = "deadline"
-	}
+	deadline := deadlineOf(c, p)
 	safeAt, guarantee, absenceProves := p.AbsenceWindowFor(c.Receipt, readAt)
+	// held is set when an answer would have settled the receipt but the
+	// adapter's positive control has not passed: the read is recorded, but
+	// it is a wait, not a check (it does not use up max_checks).
+	held := false
 	// again reschedules, or gives up when a bound is reached.
 	again := func(minWait time.Duration) Outcome {
+		counted := checks
+		if held {
+			counted = c.Checks
+			ev.Checks, ev.Waits = c.Checks, c.Waits+1
+			out.Waited = true
+		}
+		bound := ""
+		switch {
+		case counted >= p.MaxChecks:
+			bound = "max_checks"
+		case !now.Before(deadline):
+			bound = "deadline"
+		}
 		if bound != "" {
 			ev.Bound = bound
 			return settle(statemachine.ManualReview, ReasonBoundReached)
 		}
 		j := FullJitter{Base: p.BackoffBase, Cap: p.BackoffCap, Int63n: d.int63n}
-		next := later(answeredAt, readAt).Add(max(j.Delay(checks-1), minWait))
+		next := later(answeredAt, readAt).Add(max(j.Delay(max(counted-1, 0)), minWait))
 		// The last check allowed should be one that can conclude: not
 		// before the absence window, and not after the deadline.
-		if checks == p.MaxChecks-1 && next.Before(safeAt) {
+		if counted == p.MaxChecks-1 && next.Before(safeAt) {
 			next = safeAt
 		}
 		if next.After(deadline) {
@@ -309,12 +360,13 @@ func (d decider) decide(readAt, answeredAt time.Time, c Claimed, b *readback.Bin
 	// heldBack records that an absence would have settled the receipt but
 	// the adapter's positive control has not passed: the receipt waits.
 	heldBack := func() bool {
+		held = true
 		ev.Control = "not passed: " + ctl.note
-		held := map[string]any{"absence_not_authoritative": "positive control not passed: " + ctl.note}
+		note := map[string]any{"absence_not_authoritative": "positive control not passed: " + ctl.note}
 		if len(rec.Evidence) > 0 {
-			held["adapter_evidence"] = rec.Evidence
+			note["adapter_evidence"] = rec.Evidence
 		}
-		if j, err := json.Marshal(held); err == nil {
+		if j, err := json.Marshal(note); err == nil {
 			rec.Evidence = j
 		}
 		return false

@@ -248,3 +248,29 @@ func TestControlNeeded(t *testing.T) {
 		})
 	}
 }
+
+// An absence held back because the adapter's positive control has not
+// passed is recorded, but it is a wait: it does not use up max_checks, and
+// only the deadline ends the receipt.
+func TestHeldBackReadIsAWait(t *testing.T) {
+	submitted := time.Date(2026, 1, 1, 12, 0, 0, 0, time.UTC)
+	policy := readback.Policy{ConsistencyWindow: 10 * time.Second, MaxRequestLifetime: 20 * time.Second,
+		MaxChecks: 2, Deadline: time.Hour, BackoffBase: time.Second, BackoffCap: time.Minute}
+	b := &readback.Binding{Name: "a", Kind: readback.Create, Dependency: "d", Policy: policy}
+	r := readback.Receipt{ID: 1, Operation: "op", Dependency: "d", SubmittedAt: submitted,
+		SendDeadline: submitted.Add(5 * time.Second), UnknownSince: submitted, Checks: 1}
+	c := Claimed{Receipt: r, Waits: 4}
+	absent := readback.Result{Verdict: readback.VerdictAbsent, Authoritative: true}
+	notPassed := controlVerdict{note: "deferred"}
+	at := submitted.Add(time.Minute)
+	out := decider{}.decide(at, at, c, b, absent, nil, 0, notPassed)
+	if out.Settles() || !out.Waited || out.Check == nil {
+		t.Fatalf("held back: %+v, want a recorded wait", out)
+	}
+	at = submitted.Add(time.Hour)
+	out = decider{}.decide(at, at, c, b, absent, nil, 0, notPassed)
+	if out.To != statemachine.ManualReview || out.Detail.Evidence.Bound != "deadline" ||
+		out.Detail.Evidence.Checks != 1 || out.Detail.Evidence.Waits != 5 {
+		t.Fatalf("at the deadline: %+v %+v, want bound deadline, 1 read, 5 waits", out, out.Detail.Evidence)
+	}
+}

@@ -68,10 +68,19 @@ type Config struct {
 	// Flushers is the number of completion batches written concurrently
 	// (default 2).
 	Flushers int
-	// Lease is how long a claim holds a row (default 2m). A check starts
-	// only if it can finish within the lease.
+	// Lease is how long a claim holds a row without renewal (default 30s).
+	// While a row is in flight (waiting for a worker, being checked, its
+	// outcome waiting to be written) its lease is renewed every Heartbeat,
+	// so a check may run longer than the lease; a crashed instance's rows
+	// are claimable again at most one lease after its last renewal.
 	Lease time.Duration
-	// CheckTimeout bounds one adapter call (default 30s).
+	// Heartbeat is how often the leases of the rows in flight are renewed,
+	// in one statement per batch of rows (default Lease/3; at most
+	// Lease/2, so one missed renewal does not lose a lease). A check
+	// starts only while its row's lease has at least one heartbeat left.
+	Heartbeat time.Duration
+	// CheckTimeout bounds one adapter call (default 30s). It may exceed
+	// the lease: the heartbeat keeps the row's lease while the check runs.
 	CheckTimeout time.Duration
 	// PollInterval is the fallback wake-up when no NOTIFY arrives, and the
 	// cadence of the orphan sweep (default 5s).
@@ -134,7 +143,8 @@ func (c Config) withDefaults() Config {
 	if c.Flushers == 0 {
 		c.Flushers = 2
 	}
-	def(&c.Lease, 2*time.Minute)
+	def(&c.Lease, DefaultLease)
+	def(&c.Heartbeat, c.Lease/3)
 	def(&c.CheckTimeout, 30*time.Second)
 	def(&c.PollInterval, 5*time.Second)
 	def(&c.FlushInterval, 20*time.Millisecond)
@@ -165,16 +175,21 @@ func (c Config) validate() error {
 		return bad("batch size must be at least 1, got %d", c.BatchSize)
 	case c.MaxInFlight < c.BatchSize:
 		return bad("max in flight (%d) must be at least the batch size (%d)", c.MaxInFlight, c.BatchSize)
-	case c.CheckTimeout <= 0 || c.Lease <= 0 || c.PollInterval <= 0 || c.FlushInterval <= 0 || c.GracePeriod < 0 ||
+	case c.CheckTimeout <= 0 || c.Lease <= 0 || c.Heartbeat <= 0 || c.PollInterval <= 0 || c.FlushInterval <= 0 || c.GracePeriod < 0 ||
 		c.SweepTimeout <= 0 || c.ControlInterval <= 0 || c.ControlRetry <= 0 || c.ControlValidFor <= 0 || c.ControlScan < 1:
 		return bad("durations must be positive")
-	case c.Lease < 2*c.CheckTimeout:
-		// A check must be able to start after waiting in the pool and still
-		// finish inside the lease, or its outcome would always be lost.
-		return bad("lease (%s) must be at least twice the check timeout (%s)", c.Lease, c.CheckTimeout)
+	case 2*c.Heartbeat > c.Lease:
+		// The heartbeat renews the leases of the rows in flight (a check
+		// may outlast the lease); a lease must survive one missed renewal.
+		return bad("heartbeat (%s) must be at most half the lease (%s)", c.Heartbeat, c.Lease)
 	}
 	return nil
 }
+
+// DefaultLease is the lease of a claim when Config.Lease is unset: short,
+// since the heartbeat renews it while the row is in flight, so the rows of
+// a crashed instance are claimable again within seconds.
+const DefaultLease = 30 * time.Second
 
 // Pool claims, checks and settles receipts. Create it with New; Run and
 // Drain may be called once each, not concurrently.
@@ -321,6 +336,11 @@ type session struct {
 	inflight atomic.Int64 // claimed and not yet completed
 	flushing atomic.Int64 // handed to a writer, not yet completed
 
+	// leases are the rows in flight (claimed, outcome not yet written),
+	// whose leases the heartbeat renews: id → token and current expiry.
+	leaseMu sync.Mutex
+	leases  map[int64]heldLease
+
 	mu      sync.Mutex
 	summary Summary
 }
@@ -334,6 +354,7 @@ func (p *Pool) serve(ctx context.Context, once bool) (Summary, error) {
 		outcomes: make(chan Outcome, p.cfg.MaxInFlight),
 		space:    make(chan struct{}, 1),
 		summary:  newSummary(),
+		leases:   map[int64]heldLease{},
 	}
 	finished := make(chan struct{})
 	defer close(finished)
@@ -361,6 +382,10 @@ func (p *Pool) serve(ctx context.Context, once bool) (Summary, error) {
 		})
 	}
 	completer.Go(s.complete)
+	var heart sync.WaitGroup
+	heartCtx, stopHeart := context.WithCancel(work)
+	heart.Go(func() { s.heartbeat(heartCtx) })
+	defer func() { stopHeart(); heart.Wait() }()
 
 	wake := make(chan struct{}, 1)
 	if !once {
@@ -400,6 +425,15 @@ func (s *session) claimLoop(once bool, wake <-chan struct{}) error {
 			return err
 		}
 		s.pause(wake, poll.C, cfg.PollInterval)
+	}
+	// A restart under the same instance name takes back at once the rows
+	// its previous process held, instead of waiting out their leases.
+	if n, err := p.store.ReclaimOwn(s.stop, cfg.Now(), cfg.SweepTimeout); err != nil {
+		if s.stop.Err() == nil {
+			s.dbError("reclaim own leases", err)
+		}
+	} else if n > 0 {
+		p.log.Info("took back the rows a previous process of this instance held", "rows", n)
 	}
 	sweep := func() error {
 		orphans, err := p.store.SweepOrphans(s.stop, cfg.Now(), cfg.OrphanTimeout, cfg.BatchSize, cfg.SweepTimeout)
@@ -472,6 +506,7 @@ func (s *session) claimLoop(once bool, wake <-chan struct{}) error {
 		}
 		dbFailures = 0
 		if len(rows) > 0 {
+			s.hold(rows)
 			s.inflight.Add(int64(len(rows)))
 			if p.m != nil {
 				p.m.Claimed.Add(float64(len(rows)))
@@ -554,9 +589,10 @@ func (s *session) process(c Claimed) Outcome {
 	if b.Kind == readback.Blind {
 		return p.dec.manual(now, c, b, ReasonBlind)
 	}
-	if s.stop.Err() != nil || now.Add(cfg.CheckTimeout).After(c.LeaseExpires) {
-		// Stopping, or the lease would run out mid-check: hand the row back
-		// for whoever claims next instead of racing the lease.
+	if s.stop.Err() != nil || now.Add(cfg.Heartbeat).After(s.leaseExpiry(c)) {
+		// Stopping, or the lease is about to run out (its renewals failed):
+		// hand the row back for whoever claims next instead of racing the
+		// lease.
 		return p.dec.release(c, now)
 	}
 	gate := cfg.Gate
@@ -577,7 +613,10 @@ func (s *session) process(c Claimed) Outcome {
 			}
 			p.log.Debug("check deferred", "receipt_id", c.ID, "dependency", c.Dependency,
 				"reason", d.Reason, "until", d.Until)
-			return p.dec.release(c, later(d.Until, now))
+			// A deferral is a wait, not a check: it does not use up
+			// max_checks; only the deadline ends a receipt whose
+			// dependency can never be read.
+			return p.dec.waitOrDeadline(now, c, b, later(d.Until, now))
 		}
 		return p.dec.release(c, now)
 	}
@@ -708,20 +747,24 @@ func (s *session) complete() {
 }
 
 // flush writes one batch of outcomes. Writes outlive the stop signal (a
-// release at shutdown is the point), bounded by their own timeout; a batch
-// that cannot be written is abandoned to lease expiry, which re-offers its
-// rows: checks are repeatable, settlements are guarded.
+// release at shutdown is the point), bounded by their own timeout. A failed
+// write (a failover, a dropped connection, a database outage) is retried
+// twice with a short jittered backoff, then kept and retried, with a backoff
+// capped at min(5s, PollInterval), until the database answers: the outcomes
+// are not lost, and their rows stay in flight, leases renewed by the
+// heartbeat (so at most MaxInFlight outcomes are ever kept, and claims stop
+// meanwhile). Only at the end of the grace period of a stop is a batch that
+// still cannot be written abandoned to its leases' expiry, which re-offers
+// its rows: checks are repeatable, settlements are guarded.
 func (s *session) flush(batch []Outcome) {
 	p := s.p
 	var applied []int64
-	// A failed write (a failover, a dropped connection) is retried twice
-	// with a short jittered backoff; the rows stay leased meanwhile.
 	// A retry may follow a first attempt that committed without our
 	// hearing of it, so it is the idempotent CompleteAgain.
 	retry := backoff.NewExponentialBackOff()
 	retry.InitialInterval = 200 * time.Millisecond
 	attempt := 0
-	err := backoff.RetryNotify(func() error {
+	write := func() error {
 		ctx, cancel := context.WithTimeout(context.WithoutCancel(s.stop), 30*time.Second)
 		defer cancel()
 		var err error
@@ -731,10 +774,26 @@ func (s *session) flush(batch []Outcome) {
 			applied, err = p.store.CompleteAgain(ctx, batch)
 		}
 		return err
-	}, backoff.WithMaxRetries(retry, 2), func(err error, _ time.Duration) { s.dbError("complete", err) })
+	}
+	err := backoff.RetryNotify(write, backoff.WithMaxRetries(retry, 2),
+		func(err error, _ time.Duration) { s.dbError("complete", err) })
 	if err != nil {
 		s.dbError("complete", err)
+		p.log.Warn("outcomes kept until the database answers", "rows", len(batch), "error", err)
+		keep := backoff.NewExponentialBackOff()
+		keep.InitialInterval = 500 * time.Millisecond
+		keep.MaxInterval = min(5*time.Second, p.cfg.PollInterval)
+		keep.MaxElapsedTime = 0
+		err = backoff.RetryNotify(write, backoff.WithContext(keep, s.work),
+			func(err error, _ time.Duration) { s.dbError("complete", err) })
+		if err == nil {
+			p.log.Info("kept outcomes written", "rows", len(batch))
+		} else {
+			p.log.Warn("kept outcomes abandoned at the end of the grace period; their rows return when their leases expire",
+				"rows", len(batch))
+		}
 	}
+	s.release(batch)
 	ok := make(map[int64]bool, len(applied))
 	for _, id := range applied {
 		ok[id] = true
@@ -779,6 +838,100 @@ func (s *session) flush(batch []Outcome) {
 	select {
 	case s.space <- struct{}{}:
 	default:
+	}
+}
+
+// heldLease is a row in flight: its lease token and current expiry.
+type heldLease struct {
+	token   string
+	expires time.Time
+}
+
+// hold records claimed rows as in flight, for the heartbeat.
+func (s *session) hold(rows []Claimed) {
+	s.leaseMu.Lock()
+	defer s.leaseMu.Unlock()
+	for _, c := range rows {
+		s.leases[c.ID] = heldLease{token: c.Lease, expires: c.LeaseExpires}
+	}
+}
+
+// release forgets written (or abandoned) rows.
+func (s *session) release(batch []Outcome) {
+	s.leaseMu.Lock()
+	defer s.leaseMu.Unlock()
+	for _, o := range batch {
+		if h, ok := s.leases[o.ID]; ok && h.token == o.Lease {
+			delete(s.leases, o.ID)
+		}
+	}
+}
+
+// leaseExpiry returns the current expiry of c's lease (zero once lost).
+func (s *session) leaseExpiry(c Claimed) time.Time {
+	s.leaseMu.Lock()
+	defer s.leaseMu.Unlock()
+	if h, ok := s.leases[c.ID]; ok && h.token == c.Lease {
+		return h.expires
+	}
+	return c.LeaseExpires
+}
+
+// heartbeat renews the leases of the rows in flight every Heartbeat, in one
+// statement per batch of rows, until ctx ends. A row the renewal no longer
+// finds leased by its token (it expired and was claimed elsewhere) is
+// marked lost: no check starts on it, and its outcome will be refused by
+// the lease guard.
+func (s *session) heartbeat(ctx context.Context) {
+	p := s.p
+	cfg := p.cfg
+	t := time.NewTicker(cfg.Heartbeat)
+	defer t.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-t.C:
+		}
+		s.leaseMu.Lock()
+		ids := make([]int64, 0, len(s.leases))
+		tokens := make([]string, 0, len(s.leases))
+		for id, h := range s.leases {
+			ids = append(ids, id)
+			tokens = append(tokens, h.token)
+		}
+		s.leaseMu.Unlock()
+		for i := 0; i < len(ids); i += cfg.BatchSize {
+			j := min(i+cfg.BatchSize, len(ids))
+			expires := cfg.Now().Add(cfg.Lease)
+			rctx, cancel := context.WithTimeout(ctx, max(cfg.Lease/2, cfg.Heartbeat))
+			renewed, err := p.store.Renew(rctx, ids[i:j], tokens[i:j], expires)
+			cancel()
+			if err != nil {
+				if ctx.Err() == nil {
+					s.dbError("renew leases", err)
+				}
+				break
+			}
+			ok := make(map[int64]bool, len(renewed))
+			for _, id := range renewed {
+				ok[id] = true
+			}
+			s.leaseMu.Lock()
+			for k, id := range ids[i:j] {
+				h, held := s.leases[id]
+				if !held || h.token != tokens[i+k] {
+					continue // written meanwhile
+				}
+				if ok[id] {
+					h.expires = expires
+				} else if !h.expires.After(cfg.Now()) {
+					h.expires = time.Time{}
+				}
+				s.leases[id] = h
+			}
+			s.leaseMu.Unlock()
+		}
 	}
 }
 

@@ -47,7 +47,8 @@ SET state = 'reconciling',
     state_detail = CASE WHEN r.state = 'outcome_unknown' THEN $4::jsonb ELSE r.state_detail END,
     lease_owner = $5,
     lease_expires_at = $6,
-    next_check_at = $6
+    next_check_at = $6,
+    wait_count = CASE WHEN r.state = 'outcome_unknown' THEN 0 ELSE r.wait_count END
 WHERE r.id = ANY (ARRAY(SELECT id FROM due))
 RETURNING r.id, r.idempotency_key, r.operation, r.dependency, r.method, r.target, r.fingerprint,
           r.intent, r.pre_image, coalesce(r.external_id, ''), r.attempt, r.created_at,
@@ -58,7 +59,8 @@ RETURNING r.id, r.idempotency_key, r.operation, r.dependency, r.method, r.target
           (SELECT jsonb_agg(jsonb_build_object('at', l.at, 'actor', l.actor, 'outcome', l.outcome,
                                                'http_status', l.http_status, 'external_id', l.external_id,
                                                'detail', l.detail) ORDER BY l.at)
-           FROM reconciler.late_outcomes l WHERE l.receipt_id = r.id)`
+           FROM reconciler.late_outcomes l WHERE l.receipt_id = r.id),
+          r.wait_count`
 
 // sqlComplete applies a batch of outcomes in one statement: settlements
 // (to_state succeeded/safe_to_retry/manual_review, whose history events the
@@ -87,11 +89,13 @@ RETURNING r.id, r.idempotency_key, r.operation, r.dependency, r.method, r.target
 // $18 error_class, $19 error, $20 evidence. $21 instance.
 // Alarms: $22 receipt id, $23 at, $24 adapter, $25 dependency, $26 ids (jsonb array).
 // $27: per outcome, whether its check failed transiently. $28: retry.
+// $29: per outcome, waits to add (Outcome.Waited: its check, if any, is
+// recorded but does not count: $7 is 0 for it).
 const sqlComplete = `
 WITH u AS (
     SELECT * FROM unnest($1::bigint[], $2::text[], $3::text[], $4::jsonb[], $5::text[],
-                         $6::timestamptz[], $7::int[], $27::bool[])
-        AS u(id, lease, to_state, detail, external_id, next_check_at, checks, transient)
+                         $6::timestamptz[], $7::int[], $27::bool[], $29::int[])
+        AS u(id, lease, to_state, detail, external_id, next_check_at, checks, transient, waits)
 ), s AS (
     UPDATE reconciler.receipts r
     SET state = u.to_state,
@@ -102,6 +106,7 @@ WITH u AS (
         lease_owner = NULL,
         lease_expires_at = NULL,
         check_count = r.check_count + u.checks,
+        wait_count = r.wait_count + u.waits,
         last_check_transient = CASE WHEN u.checks > 0 THEN u.transient ELSE r.last_check_transient END
     FROM u
     WHERE r.id = ANY ($1::bigint[]) AND r.id = u.id
@@ -272,3 +277,30 @@ const sqlListen = `LISTEN reconciler_due`
 // notifyChannel is the channel the receipts row trigger (00001) notifies
 // when a receipt becomes outcome_unknown.
 const notifyChannel = "reconciler_due"
+
+// sqlRenew extends the leases of rows in flight (the heartbeat), in one
+// statement per batch: $1 ids, $2 their lease tokens, $3 the new expiry.
+// Only rows still reconciling and still leased by the token are renewed;
+// next_check_at follows the lease, so a row whose holder dies is due again
+// exactly when its lease runs out (as after a claim).
+const sqlRenew = `
+UPDATE reconciler.receipts r
+SET lease_expires_at = $3, next_check_at = $3
+FROM unnest($1::bigint[], $2::text[]) AS u(id, lease)
+WHERE r.id = ANY ($1::bigint[]) AND r.id = u.id
+  AND r.state = 'reconciling' AND r.lease_owner = u.lease
+RETURNING r.id`
+
+// sqlReclaimOwn releases, due now ($3), the rows leased by an earlier
+// process of this instance: tokens "<instance>/<nonce>/<seq>" with instance
+// $1 and a nonce other than this process's ($2). A restart under the same
+// instance name resumes at once instead of waiting out its old leases. It
+// walks the partial index receipts_due (reconciling rows only).
+const sqlReclaimOwn = `
+UPDATE reconciler.receipts r
+SET lease_owner = NULL, lease_expires_at = NULL, next_check_at = $3
+WHERE r.state = 'reconciling' AND r.lease_owner IS NOT NULL
+  AND left(r.lease_owner, length($1) + 1) = $1 || '/'
+  AND substr(r.lease_owner, length($1) + 2) ~ '^[0-9a-f]{8}/[0-9]+$'
+  AND NOT starts_with(r.lease_owner, $1 || '/' || $2 || '/')
+  AND r.lease_expires_at > $3`

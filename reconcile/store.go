@@ -63,6 +63,9 @@ type Claimed struct {
 	// LateOutcomes are the outcomes the receipt's agent recorded after the
 	// orphan sweep had moved it (oldest first).
 	LateOutcomes []LateOutcome
+	// Waits counts the times the row was handed back without a read that
+	// counts (Outcome.Waited) since it became outcome_unknown.
+	Waits int
 }
 
 // Claim leases up to limit rows due as of now, for lease from now, in one
@@ -92,7 +95,7 @@ func (s *Store) ClaimAt(ctx context.Context, dueBy, now time.Time, limit int, le
 		var late []byte
 		err := row.Scan(&r.ID, &r.IdempotencyKey, &r.Operation, &r.Dependency, &r.Method, &r.Target,
 			&r.Fingerprint, &r.Intent, &r.PreImage, &r.ExternalID, &r.Attempt, &r.CreatedAt,
-			&r.SubmittedAt, &r.SendDeadline, &r.UnknownSince, &r.Checks, &c.Retry, &late)
+			&r.SubmittedAt, &r.SendDeadline, &r.UnknownSince, &r.Checks, &c.Retry, &late, &c.Waits)
 		if err == nil && late != nil {
 			if jerr := json.Unmarshal(late, &c.LateOutcomes); jerr != nil {
 				err = fmt.Errorf("late outcomes of receipt %d: %w", r.ID, jerr)
@@ -104,6 +107,53 @@ func (s *Store) ClaimAt(ctx context.Context, dueBy, now time.Time, limit int, le
 		return nil, fmt.Errorf("reconcile: claim: %w", err)
 	}
 	return out, nil
+}
+
+// Renew extends to expires the leases of the rows ids, each still held by
+// its token in tokens, in one statement, and returns the ids renewed.
+func (s *Store) Renew(ctx context.Context, ids []int64, tokens []string, expires time.Time) ([]int64, error) {
+	if len(ids) == 0 {
+		return nil, nil
+	}
+	rows, err := s.pool.Query(ctx, sqlRenew, ids, tokens, expires)
+	if err != nil {
+		return nil, fmt.Errorf("reconcile: renew leases: %w", err)
+	}
+	renewed, err := pgx.CollectRows(rows, pgx.RowTo[int64])
+	if err != nil {
+		return nil, fmt.Errorf("reconcile: renew leases: %w", err)
+	}
+	return renewed, nil
+}
+
+// ReclaimOwn releases (within limit, like SweepOrphans), due at now, the rows still leased by an earlier
+// process of this store's instance (a process that crashed or was killed
+// and restarted under the same name), and returns how many. Instance names
+// must be unique among live processes: a second live process of the same
+// name would lose its rows in flight to this (their outcomes are then
+// discarded by the lease guard, nothing worse).
+func (s *Store) ReclaimOwn(ctx context.Context, now time.Time, limit time.Duration) (int64, error) {
+	// Bounded like the orphan sweep (client, statement and lock timeouts):
+	// a lock held elsewhere must not stop the start.
+	if limit <= 0 {
+		limit = DefaultSweepLimit
+	}
+	ctx, cancel := context.WithTimeout(ctx, limit+time.Second)
+	defer cancel()
+	var n int64
+	err := pgx.BeginFunc(ctx, s.pool, func(tx pgx.Tx) error {
+		if _, err := tx.Exec(ctx, sqlSweepLimits, strconv.FormatInt(max(limit.Milliseconds(), 1), 10),
+			strconv.FormatInt(max(limit.Milliseconds()/2, 1), 10)); err != nil {
+			return err
+		}
+		tag, err := tx.Exec(ctx, sqlReclaimOwn, s.instance, s.nonce, now)
+		n = tag.RowsAffected()
+		return err
+	})
+	if err != nil {
+		return 0, fmt.Errorf("reconcile: reclaim own leases: %w", err)
+	}
+	return n, nil
 }
 
 // Outcome is what happened to one claimed row.
@@ -118,8 +168,15 @@ type Outcome struct {
 	// history event's input. Ignored on release.
 	Detail     Detail
 	ExternalID string
-	// Check is the readback check made, if any; it bumps check_count.
+	// Check is the readback check made, if any; it bumps check_count
+	// unless Waited is set.
 	Check *CheckRecord
+	// Waited marks a wait: the row is handed back (or ended by its
+	// deadline) without a read that counts against max_checks (a deferral,
+	// a positive control not passed, a lease too short, a stop). It bumps
+	// wait_count instead of check_count; a Check it carries (the read held
+	// back for a control) is recorded all the same.
+	Waited bool
 	// Duplicates are the matching external ids of a create that matched
 	// more than once (an alarm is recorded if the row settles).
 	Duplicates []string
@@ -227,7 +284,7 @@ const WriteRefusedRetry = time.Minute
 func (s *Store) writeRefused(ctx context.Context, o Outcome, cause error, retry bool) ([]int64, error) {
 	why := refusal(cause)
 	minimal := Outcome{ID: o.ID, Lease: o.Lease, To: o.To, NextCheck: o.NextCheck,
-		Adapter: o.Adapter, Dependency: o.Dependency}
+		Adapter: o.Adapter, Dependency: o.Dependency, Waited: o.Waited}
 	if o.Settles() {
 		ev := &Evidence{Sanitized: true, WriteError: why}
 		if e := o.Detail.Evidence; e != nil {
@@ -302,6 +359,7 @@ func (s *Store) write(ctx context.Context, outcomes []Outcome, retry bool) (appl
 		extIDs   = make([]*string, n)
 		nexts    = make([]*time.Time, n)
 		addCheck = make([]int32, n)
+		addWait  = make([]int32, n)
 		trans    = make([]bool, n)
 
 		cID, cNo, cAt, cAdapter, cDep, cVerdict      = []int64{}, []int32{}, []time.Time{}, []string{}, []string{}, []string{}
@@ -326,9 +384,14 @@ func (s *Store) write(ctx context.Context, outcomes []Outcome, retry bool) (appl
 			e := o.ExternalID
 			extIDs[i] = &e
 		}
+		if o.Waited {
+			addWait[i] = 1
+		}
 		if c := o.Check; c != nil {
-			addCheck[i] = 1
-			trans[i] = c.ErrorClass == readback.Transient
+			if !o.Waited {
+				addCheck[i] = 1
+				trans[i] = c.ErrorClass == readback.Transient
+			}
 			cID = append(cID, o.ID)
 			cNo = append(cNo, int32(c.CheckNo))
 			cAt = append(cAt, c.At)
@@ -369,7 +432,7 @@ func (s *Store) write(ctx context.Context, outcomes []Outcome, retry bool) (appl
 		rows, err := tx.Query(ctx, sqlComplete, pgx.QueryExecModeCacheDescribe,
 			ids, leases, tos, details, extIDs, nexts, addCheck, string(s.actor),
 			cID, cNo, cAt, cAdapter, cDep, cVerdict, cAuth, cMatches, cLatency, cClass, cErr, cEv, s.instance,
-			aID, aAt, aAdapter, aDep, aIDs, trans, retry)
+			aID, aAt, aAdapter, aDep, aIDs, trans, retry, addWait)
 		if err != nil {
 			return err
 		}
