@@ -197,7 +197,7 @@ GRANT UPDATE (state, state_actor, state_detail, external_id)
 GRANT SELECT ON reconciler.receipts, reconciler.duplicate_alarms, reconciler.late_outcomes
     TO reconciler_worker;
 GRANT UPDATE (state, state_actor, state_detail, external_id, lease_owner, lease_expires_at,
-              next_check_at, check_count, last_check_transient)
+              next_check_at, check_count, last_check_transient, wait_count)
     ON reconciler.receipts TO reconciler_worker;
 GRANT INSERT (receipt_id, check_no, at, instance, adapter, dependency, verdict, authoritative,
               matches, latency_us, error_class, error, evidence)

@@ -52,7 +52,7 @@ func runFlags() []cli.Flag {
 			Usage: "concurrent readback checks"},
 		&cli.IntFlag{Name: "batch-size", Value: 512, EnvVars: []string{"RECONCILER_BATCH_SIZE"},
 			Usage: "rows per claim and per settle statement"},
-		&cli.DurationFlag{Name: "lease", Value: 2 * time.Minute, EnvVars: []string{"RECONCILER_LEASE"},
+		&cli.DurationFlag{Name: "lease", Value: reconcile.DefaultLease, EnvVars: []string{"RECONCILER_LEASE"},
 			Usage: "how long a claim holds a row; a crashed instance's rows are reclaimed after it"},
 		&cli.DurationFlag{Name: "check-timeout", Value: 30 * time.Second, EnvVars: []string{"RECONCILER_CHECK_TIMEOUT"},
 			Usage: "timeout of one readback call"},
