@@ -195,8 +195,8 @@ func DefaultPolicy() Policy {
 			Window:     time.Minute,
 		},
 		Degraded: DegradedPolicy{
-			Window:      time.Minute,
-			MinCalls:    20,
+			Window:           time.Minute,
+			MinCalls:         20,
 			EnterRate:        0.2,
 			ExitRate:         0.1,
 			MaxInFlight:      1,
