@@ -221,3 +221,5 @@ func (s *countingStore) count() int {
 	defer s.mu.Unlock()
 	return s.loads
 }
+
+var t0Ctx = context.Background()
