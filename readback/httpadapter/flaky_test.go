@@ -172,7 +172,9 @@ func TestInCheckRetryBounds(t *testing.T) {
 			gate: &fakeRetrier{allow: 1}, requests: 2, waits: []time.Duration{100 * time.Millisecond},
 			wantErr: "the dependency refused a retry (budget_exhausted)"},
 		{name: "the check's deadline leaves no time", flaky: always(http.StatusServiceUnavailable), requests: 1,
-			ctx: func() (context.Context, context.CancelFunc) { return context.WithTimeout(context.Background(), 150*time.Millisecond) }},
+			ctx: func() (context.Context, context.CancelFunc) {
+				return context.WithTimeout(context.Background(), 150*time.Millisecond)
+			}},
 		{name: "permanent failures are not retried", flaky: always(http.StatusUnauthorized), requests: 1},
 	}
 	for _, tc := range tests {
