@@ -493,6 +493,12 @@ type DependencyLimits struct {
 	BreakerFailures    *int
 	BreakerCooldown    *time.Duration
 	BreakerMaxCooldown *time.Duration
+	// BreakerWindow, BreakerMinCalls and BreakerRate open the breaker on
+	// the transient-failure rate: at least BreakerRate (0, 1] of at least
+	// BreakerMinCalls calls over BreakerWindow.
+	BreakerWindow   *time.Duration
+	BreakerMinCalls *int
+	BreakerRate     *float64
 
 	// RetryRatio and RetryMin shape the retry budget: a retry is allowed
 	// while retries < max(RetryMin, RetryRatio × first calls) over the
@@ -506,6 +512,12 @@ type DependencyLimits struct {
 	DegradedEnter       *float64
 	DegradedExit        *float64
 	DegradedConcurrency *int
+	// DegradedDecrease (0, 1) multiplies the adaptive concurrency limit on
+	// a transient failure while degraded; DegradedIncrease (> 0) is added
+	// to it per round of successful calls. DegradedConcurrency is then the
+	// floor of the limit.
+	DegradedDecrease *float64
+	DegradedIncrease *float64
 }
 
 func (l DependencyLimits) clone() DependencyLimits {
@@ -516,11 +528,16 @@ func (l DependencyLimits) clone() DependencyLimits {
 	c.BreakerFailures = clonePtr(l.BreakerFailures)
 	c.BreakerCooldown = clonePtr(l.BreakerCooldown)
 	c.BreakerMaxCooldown = clonePtr(l.BreakerMaxCooldown)
+	c.BreakerWindow = clonePtr(l.BreakerWindow)
+	c.BreakerMinCalls = clonePtr(l.BreakerMinCalls)
+	c.BreakerRate = clonePtr(l.BreakerRate)
 	c.RetryRatio = clonePtr(l.RetryRatio)
 	c.RetryMin = clonePtr(l.RetryMin)
 	c.DegradedEnter = clonePtr(l.DegradedEnter)
 	c.DegradedExit = clonePtr(l.DegradedExit)
 	c.DegradedConcurrency = clonePtr(l.DegradedConcurrency)
+	c.DegradedDecrease = clonePtr(l.DegradedDecrease)
+	c.DegradedIncrease = clonePtr(l.DegradedIncrease)
 	return c
 }
 
@@ -548,9 +565,13 @@ func dependencyKeys() []string {
 	return []string{"concurrency", "rate", "burst", "breaker", "retry_budget", "degraded"}
 }
 
-func breakerKeys() []string     { return []string{"failures", "cooldown", "max_cooldown"} }
+func breakerKeys() []string {
+	return []string{"failures", "cooldown", "max_cooldown", "window", "min_calls", "rate"}
+}
 func retryBudgetKeys() []string { return []string{"ratio", "min"} }
-func degradedKeys() []string    { return []string{"enter", "exit", "concurrency"} }
+func degradedKeys() []string {
+	return []string{"enter", "exit", "concurrency", "decrease", "increase"}
+}
 
 // loadDependencies decodes and checks the top-level dependencies mapping.
 // Each value is checked on its own, and against the other values of the
@@ -603,6 +624,14 @@ func decodeDependency(n *yaml.Node) (DependencyLimits, *dependencyError) {
 		l.BreakerFailures = d.int("breaker.failures", 1)
 		l.BreakerCooldown = d.duration("breaker.cooldown")
 		l.BreakerMaxCooldown = d.duration("breaker.max_cooldown")
+		l.BreakerWindow = d.duration("breaker.window")
+		l.BreakerMinCalls = d.int("breaker.min_calls", 1)
+		l.BreakerRate = d.float("breaker.rate", func(f float64) error {
+			if !(f > 0 && f <= 1) {
+				return errors.New("must be a rate in (0, 1]")
+			}
+			return nil
+		})
 	})
 	d.block("retry_budget", retryBudgetKeys(), func() {
 		l.RetryRatio = d.float("retry_budget.ratio", func(f float64) error {
@@ -627,6 +656,18 @@ func decodeDependency(n *yaml.Node) (DependencyLimits, *dependencyError) {
 			return nil
 		})
 		l.DegradedConcurrency = d.int("degraded.concurrency", 1)
+		l.DegradedDecrease = d.float("degraded.decrease", func(f float64) error {
+			if !(f > 0 && f < 1) {
+				return errors.New("must be a factor in (0, 1)")
+			}
+			return nil
+		})
+		l.DegradedIncrease = d.float("degraded.increase", func(f float64) error {
+			if !(f > 0) || math.IsInf(f, 0) {
+				return errors.New("must be a finite number > 0")
+			}
+			return nil
+		})
 	})
 	if d.err != nil {
 		return l, d.err

@@ -142,9 +142,9 @@ dependencies:
     concurrency: 2
     rate: 1
     burst: 5
-    breaker: {failures: 3, cooldown: 1m, max_cooldown: 10m}
+    breaker: {failures: 3, cooldown: 1m, max_cooldown: 10m, window: 20s, min_calls: 10, rate: 0.6}
     retry_budget: {ratio: 0, min: 0}
-    degraded: {enter: 0.4, exit: 0.1, concurrency: 1}
+    degraded: {enter: 0.4, exit: 0.1, concurrency: 1, decrease: 0.7, increase: 2}
   stripe:
     rate: 20.5
   mailer: {}
@@ -163,7 +163,9 @@ func TestLoadDependencies(t *testing.T) {
 	if gh.Line != 7 || *gh.Concurrency != 2 || *gh.Rate != 1 || *gh.Burst != 5 ||
 		*gh.BreakerFailures != 3 || *gh.BreakerCooldown != time.Minute || *gh.BreakerMaxCooldown != 10*time.Minute ||
 		*gh.RetryRatio != 0 || *gh.RetryMin != 0 ||
-		*gh.DegradedEnter != 0.4 || *gh.DegradedExit != 0.1 || *gh.DegradedConcurrency != 1 {
+		*gh.DegradedEnter != 0.4 || *gh.DegradedExit != 0.1 || *gh.DegradedConcurrency != 1 ||
+		*gh.BreakerWindow != 20*time.Second || *gh.BreakerMinCalls != 10 || *gh.BreakerRate != 0.6 ||
+		*gh.DegradedDecrease != 0.7 || *gh.DegradedIncrease != 2 {
 		t.Errorf("github = %+v", gh)
 	}
 	st := deps["stripe"]
@@ -228,6 +230,10 @@ func TestLoadDependenciesErrors(t *testing.T) {
 		{"negative min", "  github: {retry_budget: {min: -1}}\n", []string{`dependency "github": retry_budget.min: must be at least 0`}},
 		{"enter above 1", "  github: {degraded: {enter: 1.5}}\n", []string{`dependency "github": degraded.enter: must be a rate in (0, 1]`}},
 		{"zero enter", "  github: {degraded: {enter: 0}}\n", []string{`degraded.enter: must be a rate in (0, 1]`}},
+		{"breaker rate above 1", "  github: {breaker: {rate: 1.5}}\n", []string{`dependency "github": breaker.rate: must be a rate in (0, 1]`}},
+		{"zero breaker min calls", "  github: {breaker: {min_calls: 0}}\n", []string{`dependency "github": breaker.min_calls: must be positive`}},
+		{"decrease of 1", "  github: {degraded: {decrease: 1}}\n", []string{`dependency "github": degraded.decrease: must be a factor in (0, 1)`}},
+		{"zero increase", "  github: {degraded: {increase: 0}}\n", []string{`dependency "github": degraded.increase: must be a finite number > 0`}},
 		{"exit above enter", "  github: {degraded: {enter: 0.3, exit: 0.4}}\n", []string{`dependency "github": degraded.exit: must not exceed degraded.enter (0.3)`}},
 		{"degraded above concurrency", "  github: {concurrency: 2, degraded: {concurrency: 3}}\n",
 			[]string{`dependency "github": degraded.concurrency: must not exceed concurrency (2)`}},

@@ -127,9 +127,11 @@ func TestHalfOpenGrantsExactlyOneProbeToConcurrentCallers(t *testing.T) {
 			if probeOutcome == Success {
 				h.wantState("api", Closed)
 				for range 10 {
-					if p := h.permit("api", First); p.Probe() {
+					p := h.permit("api", First)
+					if p.Probe() {
 						t.Fatal("a permit of a closed breaker is marked as a probe")
 					}
+					p.Done(Success, 0)
 				}
 			} else {
 				h.wantState("api", Open)

@@ -49,15 +49,26 @@ type Policy struct {
 
 // BreakerPolicy configures the circuit breaker.
 //
-// The breaker counts consecutive transient failures: a success resets the
-// count, a permanent or abandoned outcome neither counts nor resets. It is
-// the guard against a hard outage; a partial outage (failures interleaved
-// with successes) is the degraded mode's job, which looks at a rate over a
-// window.
+// The breaker is the guard against a hard outage: it opens when the share
+// of transient failures among the calls with a health signal (successes and
+// transient failures; permanent and abandoned outcomes are neutral) over
+// Window reaches FailureRate, with at least MinCalls such calls in the
+// window. A partial outage (failures interleaved with successes, below
+// FailureRate) is the degraded mode's job: it lowers the concurrency
+// instead of stopping the dependency.
 type BreakerPolicy struct {
-	// FailureThreshold is the number of consecutive transient failures that
-	// opens the breaker. Default 5: one or two timeouts are noise, five in a
-	// row with nothing succeeding in between is an outage.
+	// Window is the sliding window the failure rate is computed over.
+	// Default 30s.
+	Window time.Duration
+	// MinCalls is the smallest sample the breaker opens on. Default 20.
+	MinCalls int
+	// FailureRate is the transient-failure rate over Window that opens the
+	// breaker, in (0, 1]. Default 0.5.
+	FailureRate float64
+	// FailureThreshold, when > 0, also opens the breaker after that many
+	// consecutive transient failures (a success resets the count). Default
+	// 0: off, since a streak of a few failures is frequent under a partial
+	// outage; set it for a dependency called too rarely to reach MinCalls.
 	FailureThreshold int
 	// Cooldown is how long the breaker stays open before it lets one probe
 	// through (half-open). Default 30s.
@@ -108,12 +119,20 @@ type RetryBudgetPolicy struct {
 	Window time.Duration
 }
 
-// DegradedPolicy configures degraded mode: when the share of transient
-// failures among calls with a health signal (successes and transient
-// failures) over Window reaches EnterRate with at least MinCalls calls, the
-// dependency is degraded and its concurrency drops to MaxInFlight. It
-// recovers when the rate falls below ExitRate with at least MinCalls calls,
-// or when a whole Window passes without a transient failure.
+// DegradedPolicy configures degraded mode and the adaptive concurrency
+// limit (AIMD) it drives.
+//
+// When the share of transient failures among calls with a health signal
+// (successes and transient failures) over Window reaches EnterRate with at
+// least MinCalls calls, the dependency is degraded. While degraded, a
+// transient failure multiplies the concurrency limit by Decrease, at most
+// once per DecreaseInterval (a burst of failures counts once), down to
+// MaxInFlight. Every success adds Increase/limit to the limit (about
+// Increase per round of calls), up to Concurrency.MaxInFlight, degraded or
+// not: concurrency climbs back after a partial outage ends, and after the
+// breaker closes (an opening drops the limit to MaxInFlight). The mode is
+// left when the rate falls below ExitRate with at least MinCalls calls, or
+// when a whole Window passes without a transient failure.
 type DegradedPolicy struct {
 	// Window is the sliding window the rate is computed over. Default 1m.
 	Window time.Duration
@@ -124,10 +143,19 @@ type DegradedPolicy struct {
 	// ExitRate is the rate below which the dependency recovers; lower than
 	// EnterRate so the mode does not flap. Default 0.25.
 	ExitRate float64
-	// MaxInFlight is the concurrency limit while degraded. Default 1.
+	// MaxInFlight is the floor of the adaptive concurrency limit: the
+	// fewest calls in flight degraded mode goes down to. Default 1.
 	MaxInFlight int
-	// Delay is how far a call is deferred when the degraded limit is full.
-	// Default 5s.
+	// Decrease multiplies the limit on a transient failure while degraded,
+	// in (0, 1). Default 0.5.
+	Decrease float64
+	// DecreaseInterval is the least time between two decreases. Default 2s.
+	DecreaseInterval time.Duration
+	// Increase is added to the limit per round of successful calls (each
+	// success adds Increase/limit), > 0. Default 1.
+	Increase float64
+	// Delay is how far a call is deferred when the lowered limit is full.
+	// Default 1s.
 	Delay time.Duration
 }
 
@@ -144,7 +172,10 @@ func DefaultConfig() Config {
 func DefaultPolicy() Policy {
 	return Policy{
 		Breaker: BreakerPolicy{
-			FailureThreshold: 5,
+			Window:           30 * time.Second,
+			MinCalls:         20,
+			FailureRate:      0.5,
+			FailureThreshold: 0,
 			Cooldown:         30 * time.Second,
 			CooldownGrowth:   2,
 			MaxCooldown:      5 * time.Minute,
@@ -164,12 +195,15 @@ func DefaultPolicy() Policy {
 			Window:     time.Minute,
 		},
 		Degraded: DegradedPolicy{
-			Window:      time.Minute,
-			MinCalls:    20,
-			EnterRate:   0.5,
-			ExitRate:    0.25,
-			MaxInFlight: 1,
-			Delay:       5 * time.Second,
+			Window:           time.Minute,
+			MinCalls:         20,
+			EnterRate:        0.2,
+			ExitRate:         0.1,
+			MaxInFlight:      1,
+			Decrease:         0.5,
+			DecreaseInterval: 2 * time.Second,
+			Increase:         1,
+			Delay:            time.Second,
 		},
 	}
 }
@@ -214,8 +248,17 @@ func (p Policy) Validate() error {
 
 func (p Policy) validate(at string, bad func(field, format string, args ...any)) {
 	b := p.Breaker
-	if b.FailureThreshold < 1 {
-		bad(at+".Breaker.FailureThreshold", "must be >= 1, got %d", b.FailureThreshold)
+	if b.FailureThreshold < 0 {
+		bad(at+".Breaker.FailureThreshold", "must be >= 0 (0: off), got %d", b.FailureThreshold)
+	}
+	if b.Window < windowBuckets*time.Millisecond {
+		bad(at+".Breaker.Window", "must be >= %v, got %v", windowBuckets*time.Millisecond, b.Window)
+	}
+	if b.MinCalls < 1 {
+		bad(at+".Breaker.MinCalls", "must be >= 1, got %d", b.MinCalls)
+	}
+	if !(b.FailureRate > 0 && b.FailureRate <= 1) {
+		bad(at+".Breaker.FailureRate", "must be in (0, 1], got %v", b.FailureRate)
 	}
 	if b.Cooldown <= 0 {
 		bad(at+".Breaker.Cooldown", "must be > 0, got %v", b.Cooldown)
@@ -278,6 +321,15 @@ func (p Policy) validate(at string, bad func(field, format string, args ...any))
 	}
 	if d.Delay <= 0 {
 		bad(at+".Degraded.Delay", "must be > 0, got %v", d.Delay)
+	}
+	if !(d.Decrease > 0 && d.Decrease < 1) {
+		bad(at+".Degraded.Decrease", "must be in (0, 1), got %v", d.Decrease)
+	}
+	if d.DecreaseInterval < 0 {
+		bad(at+".Degraded.DecreaseInterval", "must be >= 0, got %v", d.DecreaseInterval)
+	}
+	if !(d.Increase > 0) || math.IsInf(d.Increase, 0) {
+		bad(at+".Degraded.Increase", "must be > 0 and finite, got %v", d.Increase)
 	}
 }
 

@@ -23,7 +23,8 @@ func TestConfigValidation(t *testing.T) {
 	}{
 		{"zero config", func(c *Config) { *c = Config{} }, []string{
 			"SharedRefresh must be > 0", "StoreTimeout must be > 0",
-			"Default.Breaker.FailureThreshold must be >= 1, got 0",
+			"Default.Breaker.MinCalls must be >= 1, got 0",
+			"Default.Breaker.FailureRate must be in (0, 1], got 0",
 			"Default.Breaker.Cooldown must be > 0",
 			"Default.Concurrency.MaxInFlight must be >= 1",
 			"Default.Rate.Limit must be > 0",
@@ -36,7 +37,7 @@ func TestConfigValidation(t *testing.T) {
 		{"negative budget", func(c *Config) { c.Default.RetryBudget.Ratio = -0.1 }, []string{"Default.RetryBudget.Ratio must be >= 0"}},
 		{"tiny window", func(c *Config) { c.Default.RetryBudget.Window = time.Millisecond }, []string{"Default.RetryBudget.Window must be >= 12ms"}},
 		{"enter rate above 1", func(c *Config) { c.Default.Degraded.EnterRate = 1.5 }, []string{"Default.Degraded.EnterRate must be in (0, 1]"}},
-		{"exit above enter", func(c *Config) { c.Default.Degraded.ExitRate = 0.9 }, []string{"Default.Degraded.ExitRate must be in [0, EnterRate=0.5], got 0.9"}},
+		{"exit above enter", func(c *Config) { c.Default.Degraded.ExitRate = 0.9 }, []string{"Default.Degraded.ExitRate must be in [0, EnterRate=0.2], got 0.9"}},
 		{"degraded limit above normal", func(c *Config) { c.Default.Degraded.MaxInFlight = 9 }, []string{"Default.Degraded.MaxInFlight must be <= Concurrency.MaxInFlight (8), got 9"}},
 		{"per-dependency policy", func(c *Config) {
 			p := c.Default

@@ -88,6 +88,11 @@ func testConfig() Config {
 	cfg.Instance = "test-1"
 	cfg.Default.Rate.Limit = rate.Inf
 	cfg.Default.Concurrency.MaxInFlight = 1000
+	// Most tests drive the breaker with a streak of failures; the rate
+	// trigger and the default policy as a whole have their own tests
+	// (regimes_test.go).
+	cfg.Default.Breaker.FailureThreshold = 5
+	cfg.Default.Breaker.MinCalls = 1 << 30
 	return cfg
 }
 
@@ -216,3 +221,5 @@ func (s *countingStore) count() int {
 	defer s.mu.Unlock()
 	return s.loads
 }
+
+var t0Ctx = context.Background()

@@ -179,6 +179,7 @@ func TestDegradedModeEntersAndRecovers(t *testing.T) {
 	edit := func(c *Config) {
 		c.Default.Breaker.FailureThreshold = 1000 // this test is about the rate, not the streak
 		c.Default.Concurrency.MaxInFlight = 8
+		c.Default.Degraded.EnterRate, c.Default.Degraded.ExitRate = 0.5, 0.25
 	}
 
 	t.Run("not below MinCalls", func(t *testing.T) {
@@ -220,23 +221,33 @@ func TestDegradedModeEntersAndRecovers(t *testing.T) {
 		}
 		h.call("api", Success) // 10 of 20 = 50% >= 50%
 		st := h.g.Status("api")
-		if !st.Degraded || st.MaxInFlight != 1 || st.Breaker != Closed {
-			t.Fatalf("status %+v", st)
+		if !st.Degraded || st.MaxInFlight != 8 || st.Breaker != Closed {
+			t.Fatalf("entering alone should lower nothing: %+v", st)
 		}
 		if !strings.Contains(st.DegradedReason, "50% transient failures (10 of 20 calls") {
 			t.Fatalf("stop reason %q", st.DegradedReason)
 		}
+		h.call("api", Transient) // 11 of 21: a failure while degraded halves the limit
+		h.call("api", Transient) // 12 of 22: same burst (DecreaseInterval), no second decrease
+		if st := h.g.Status("api"); st.MaxInFlight != 4 {
+			t.Fatalf("limit after a burst of failures: %+v", st)
+		}
 
-		p := h.permit("api", First)
+		var ps []*Permit
+		for range 4 {
+			ps = append(ps, h.permit("api", First))
+		}
 		d := h.deferral("api", First, ReasonDegraded)
 		wantUntil(t, d, t0.Add(h.g.cfg.Default.Degraded.Delay))
 		if d.Detail != st.DegradedReason {
 			t.Fatalf("deferral detail %q, want the stop reason %q", d.Detail, st.DegradedReason)
 		}
-		p.Done(Success, 0) // 10 of 21
+		for _, p := range ps {
+			p.Done(Success, 0) // 12 of 26
+		}
 
-		// 10 of 40 = 25% is not below the exit rate; 10 of 41 is.
-		for range 19 {
+		// 12 of 48 = 25% is not below the exit rate; 12 of 49 is.
+		for range 22 {
 			h.call("api", Success)
 		}
 		if st := h.g.Status("api"); !st.Degraded {
@@ -245,9 +256,9 @@ func TestDegradedModeEntersAndRecovers(t *testing.T) {
 		h.call("api", Success)
 		st = h.g.Status("api")
 		if st.Degraded || st.DegradedReason != "" || st.MaxInFlight != 8 {
-			t.Fatalf("not recovered at 10 of 41: %+v", st)
+			t.Fatalf("not recovered at 12 of 49, or the limit did not climb back: %+v", st)
 		}
-		ps := []*Permit{h.permit("api", First), h.permit("api", First)} // concurrency is back
+		ps = []*Permit{h.permit("api", First), h.permit("api", First)} // concurrency is back
 		for _, p := range ps {
 			p.Done(Success, 0)
 		}

@@ -305,8 +305,21 @@ type dependency struct {
 	retryAfterUntil time.Time
 	budget          *window // cFirst, cRetry
 	health          *window // cSuccess, cTransient
+	brk             *window // cSuccess, cTransient of the current Closed generation
 	degraded        bool
 	degradedReason  string
+
+	// limit is the adaptive concurrency limit (AIMD), in
+	// [Degraded.MaxInFlight, Concurrency.MaxInFlight]; lastDecrease is when
+	// it was last multiplied down.
+	limit        float64
+	lastDecrease time.Time
+}
+
+// maxInFlight is the concurrency limit in force: the adaptive limit,
+// rounded down, never below the degraded floor.
+func (d *dependency) maxInFlight() int {
+	return max(d.policy.Degraded.MaxInFlight, min(d.policy.Concurrency.MaxInFlight, int(math.Floor(d.limit))))
 }
 
 func (g *Guard) dependency(name string) *dependency {
@@ -321,6 +334,8 @@ func (g *Guard) dependency(name string) *dependency {
 			limiter: rate.NewLimiter(p.Rate.Limit, p.Rate.Burst),
 			budget:  newWindow(p.RetryBudget.Window),
 			health:  newWindow(p.Degraded.Window),
+			brk:     newWindow(p.Breaker.Window),
+			limit:   float64(p.Concurrency.MaxInFlight),
 		}
 		g.deps[name] = d
 	}
@@ -336,6 +351,8 @@ type Permit struct {
 	gen   uint64
 	probe bool
 	done  atomic.Bool
+
+	retries atomic.Int64 // in-call retries granted by Retry
 }
 
 // Dependency returns the dependency the permit is for.
@@ -437,23 +454,21 @@ func (g *Guard) acquireLocked(d *dependency, now time.Time, kind Kind, ev *event
 		return nil, deferral(ReasonRateLimited, d.retryAfterUntil, "dependency asked to retry after %s",
 			d.retryAfterUntil.Format(time.RFC3339Nano))
 	}
-	if d.degraded && d.inFlight >= pol.Degraded.MaxInFlight {
-		return nil, deferral(ReasonDegraded, now.Add(pol.Degraded.Delay), "%s", d.degradedReason)
+	if lim := d.maxInFlight(); lim < pol.Concurrency.MaxInFlight && d.inFlight >= lim {
+		if d.degraded {
+			return nil, deferral(ReasonDegraded, now.Add(pol.Degraded.Delay), "%s", d.degradedReason)
+		}
+		return nil, deferral(ReasonDegraded, now.Add(pol.Degraded.Delay),
+			"concurrency limit lowered to %d of %d after transient failures, climbing back with successes",
+			lim, pol.Concurrency.MaxInFlight)
 	}
 	if d.inFlight >= pol.Concurrency.MaxInFlight {
 		return nil, deferral(ReasonConcurrency, now.Add(pol.Concurrency.BusyDelay),
 			"%d calls in flight, limit %d", d.inFlight, pol.Concurrency.MaxInFlight)
 	}
 	if kind == Retry {
-		b := pol.RetryBudget
-		allowed := func(c counts) int {
-			return max(b.MinRetries, int(math.Floor(b.Ratio*float64(c[cFirst]))))
-		}
-		ok := func(c counts) bool { return c[cRetry] < allowed(c) }
-		if c := d.budget.sum(now); !ok(c) {
-			return nil, deferral(ReasonBudgetExhausted, d.budget.firstTrue(now, ok),
-				"retry budget exhausted: %d retries for %d first calls in the last %v (allowed max(%d, %.2f × first calls) = %d)",
-				c[cRetry], c[cFirst], b.Window, b.MinRetries, b.Ratio, allowed(c))
+		if def := d.budgetDeferral(now); def != nil {
+			return nil, def
 		}
 	}
 	r := d.limiter.ReserveN(now, 1)
@@ -479,6 +494,96 @@ func (g *Guard) acquireLocked(d *dependency, now time.Time, kind Kind, ev *event
 		ev.add(slog.LevelInfo, "protect: circuit breaker probe sent")
 	}
 	return p, nil
+}
+
+// budgetDeferral returns the deferral of a retry the retry budget refuses
+// now, or nil if the budget allows one.
+func (d *dependency) budgetDeferral(now time.Time) *Deferral {
+	b := d.policy.RetryBudget
+	allowed := func(c counts) int {
+		return max(b.MinRetries, int(math.Floor(b.Ratio*float64(c[cFirst]))))
+	}
+	ok := func(c counts) bool { return c[cRetry] < allowed(c) }
+	if c := d.budget.sum(now); !ok(c) {
+		return &Deferral{Dependency: d.name, Reason: ReasonBudgetExhausted, Until: d.budget.firstTrue(now, ok),
+			Detail: fmt.Sprintf("retry budget exhausted: %d retries for %d first calls in the last %v (allowed max(%d, %.2f × first calls) = %d)",
+				c[cRetry], c[cFirst], b.Window, b.MinRetries, b.Ratio, allowed(c))}
+	}
+	return nil
+}
+
+// Retrier is what a call asks before it repeats, within itself, a request
+// that failed transiently (a readback adapter retrying one page of a
+// paginated read): Retry returns nil if the request may be sent again now,
+// charging the retry to the dependency's retry budget, or a *Deferral
+// saying why not (the budget is spent, or the breaker changed state since
+// the call was permitted), in which case the call should fail with its
+// transient error. *Permit implements it.
+type Retrier interface {
+	Retry() error
+}
+
+type retrierKey struct{}
+
+// WithRetrier returns ctx carrying r, for an adapter to find with
+// RetrierFrom: the reconciler passes the permit of the check it makes.
+func WithRetrier(ctx context.Context, r Retrier) context.Context {
+	return context.WithValue(ctx, retrierKey{}, r)
+}
+
+// RetrierFrom returns the Retrier ctx carries, or nil.
+func RetrierFrom(ctx context.Context) Retrier {
+	r, _ := ctx.Value(retrierKey{}).(Retrier)
+	return r
+}
+
+// Retry asks to repeat, within the permitted call, a request that failed
+// transiently (see Retrier). An allowed retry counts against the retry
+// budget like a call acquired with kind Retry; it takes no concurrency
+// slot (the call holds one already). Retry is refused once Done was called,
+// and when the breaker moved since the permit was granted (it opened, or
+// the probe's verdict is in). Safe for concurrent use.
+func (p *Permit) Retry() error {
+	if p == nil {
+		return errors.New("protect: Retry on a nil permit")
+	}
+	if p.done.Load() {
+		return errors.New("protect: Retry after Done")
+	}
+	g, d := p.g, p.d
+	now := g.clock.Now()
+	var ev events
+	d.mu.Lock()
+	g.advance(d, now, &ev)
+	var def *Deferral
+	switch {
+	case p.gen != d.gen && d.state == Open:
+		def = &Deferral{Dependency: d.name, Reason: ReasonBreakerOpen, Until: d.openUntil,
+			Detail: "circuit breaker opened during the call: " + d.openReason}
+	case p.gen != d.gen:
+		def = &Deferral{Dependency: d.name, Reason: ReasonBreakerOpen, Until: now.Add(d.policy.Concurrency.BusyDelay),
+			Detail: "circuit breaker changed state during the call"}
+	default:
+		def = d.budgetDeferral(now)
+	}
+	if def == nil {
+		d.budget.add(now, cRetry)
+		p.retries.Add(1)
+	}
+	d.mu.Unlock()
+	g.emit(d, ev)
+	if def != nil {
+		return def
+	}
+	return nil
+}
+
+// Retries returns how many retries Retry granted to the permit's call.
+func (p *Permit) Retries() int {
+	if p == nil {
+		return 0
+	}
+	return int(p.retries.Load())
 }
 
 // Done reports the call's outcome and, if the dependency sent one (e.g. with
@@ -514,6 +619,7 @@ func (p *Permit) Done(outcome Outcome, retryAfter time.Duration) {
 		d.health.add(now, cTransient)
 	}
 	g.advance(d, now, &ev) // also re-evaluates degraded mode with this outcome
+	g.adapt(d, now, outcome, &ev)
 	if p.gen == d.gen {
 		switch {
 		case p.probe:
@@ -532,7 +638,21 @@ func (p *Permit) Done(outcome Outcome, retryAfter time.Duration) {
 				d.failures = 0
 			case Transient:
 				d.failures++
-				if d.failures >= d.policy.Breaker.FailureThreshold {
+			}
+			b := d.policy.Breaker
+			switch outcome {
+			case Success:
+				d.brk.add(now, cSuccess)
+			case Transient:
+				d.brk.add(now, cTransient)
+				c := d.brk.sum(now)
+				calls, failed := c[cSuccess]+c[cTransient], c[cTransient]
+				switch {
+				case calls >= b.MinCalls && float64(failed) >= b.FailureRate*float64(calls):
+					publish = g.openLocked(d, now, fmt.Sprintf(
+						"%.0f%% transient failures (%d of %d calls in the last %v) >= %.0f%%",
+						100*float64(failed)/float64(calls), failed, calls, b.Window, 100*b.FailureRate), &ev)
+				case b.FailureThreshold > 0 && d.failures >= b.FailureThreshold:
 					publish = g.openLocked(d, now,
 						fmt.Sprintf("%d consecutive transient failures", d.failures), &ev)
 				}
@@ -603,6 +723,9 @@ func (g *Guard) openLocked(d *dependency, now time.Time, reason string, ev *even
 	d.failures = 0
 	d.openUntil = now.Add(cool)
 	d.openReason = reason
+	d.brk = newWindow(d.policy.Breaker.Window)
+	// Recovery starts from the floor and climbs back with successes.
+	d.limit = float64(d.policy.Degraded.MaxInFlight)
 	ev.add(slog.LevelWarn, "protect: circuit breaker opened",
 		slog.String("reason", reason), slog.Duration("cooldown", cool), slog.Time("open_until", d.openUntil))
 	return &SharedOpen{Until: d.openUntil, By: g.instance, Reason: reason}
@@ -616,6 +739,7 @@ func (g *Guard) closeLocked(d *dependency, ev *events) {
 	d.failedProbes = 0
 	d.openUntil = time.Time{}
 	d.openReason = ""
+	d.brk = newWindow(d.policy.Breaker.Window)
 	ev.add(slog.LevelInfo, "protect: circuit breaker closed")
 }
 
@@ -626,6 +750,34 @@ func cooldown(b BreakerPolicy, failedProbes int) time.Duration {
 		return b.MaxCooldown
 	}
 	return time.Duration(c)
+}
+
+// adapt moves the adaptive concurrency limit with a call's outcome:
+// additive increase on success, multiplicative decrease on a transient
+// failure while degraded, at most once per DecreaseInterval.
+func (g *Guard) adapt(d *dependency, now time.Time, outcome Outcome, ev *events) {
+	pol := d.policy
+	floor, ceil := float64(pol.Degraded.MaxInFlight), float64(pol.Concurrency.MaxInFlight)
+	switch outcome {
+	case Success:
+		if d.limit < ceil {
+			d.limit = min(ceil, d.limit+pol.Degraded.Increase/max(d.limit, 1))
+		}
+	case Transient:
+		if !d.degraded || d.limit <= floor {
+			return
+		}
+		if !d.lastDecrease.IsZero() && now.Before(d.lastDecrease.Add(pol.Degraded.DecreaseInterval)) {
+			return
+		}
+		before := d.maxInFlight()
+		d.limit = max(floor, d.limit*pol.Degraded.Decrease)
+		d.lastDecrease = now
+		if after := d.maxInFlight(); after != before {
+			ev.add(slog.LevelInfo, "protect: concurrency limit lowered",
+				slog.Int("from", before), slog.Int("to", after))
+		}
+	}
 }
 
 // healthAt returns the degraded-mode window's calls and transient-failure rate.
@@ -645,8 +797,8 @@ func (g *Guard) evalDegraded(d *dependency, now time.Time, ev *events) {
 		if calls >= pol.MinCalls && rate >= pol.EnterRate {
 			d.degraded = true
 			d.degradedReason = fmt.Sprintf(
-				"degraded: %.0f%% transient failures (%d of %d calls in the last %v) >= %.0f%%; concurrency limited to %d",
-				100*rate, transient, calls, pol.Window, 100*pol.EnterRate, pol.MaxInFlight)
+				"degraded: %.0f%% transient failures (%d of %d calls in the last %v) >= %.0f%%; concurrency adapts between %d and %d",
+				100*rate, transient, calls, pol.Window, 100*pol.EnterRate, pol.MaxInFlight, d.policy.Concurrency.MaxInFlight)
 			ev.add(slog.LevelWarn, "protect: dependency degraded", slog.String("stop_reason", d.degradedReason),
 				slog.Float64("error_rate", rate), slog.Int("calls", calls))
 		}
@@ -723,9 +875,7 @@ func (g *Guard) status(d *dependency) Status {
 	if d.state == Open {
 		s.OpenUntil = d.openUntil
 	}
-	if d.degraded {
-		s.MaxInFlight = d.policy.Degraded.MaxInFlight
-	}
+	s.MaxInFlight = d.maxInFlight()
 	if now.Before(d.retryAfterUntil) {
 		s.RetryAfterUntil = d.retryAfterUntil
 	}

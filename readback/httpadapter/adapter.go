@@ -51,6 +51,8 @@ type options struct {
 	client    *http.Client
 	now       func() time.Time
 	lookupEnv func(string) (string, bool)
+	sleep     func(ctx context.Context, d time.Duration) error
+	jitter    func(ceiling time.Duration) time.Duration
 }
 
 // WithHTTPClient sets the client requests go through (default: a client
@@ -61,13 +63,29 @@ func WithHTTPClient(c *http.Client) Option { return func(o *options) { o.client 
 // tests inject the reconciler's clock.
 func WithClock(now func() time.Time) Option { return func(o *options) { o.now = now } }
 
+// WithRetryWait sets how an in-check retry waits (default: a timer that
+// ctx ends early) and how its full-jitter backoff is drawn (default: a
+// uniform random duration in [0, ceiling)). Tests inject both, so no test
+// sleeps.
+func WithRetryWait(sleep func(ctx context.Context, d time.Duration) error, jitter func(ceiling time.Duration) time.Duration) Option {
+	return func(o *options) {
+		if sleep != nil {
+			o.sleep = sleep
+		}
+		if jitter != nil {
+			o.jitter = jitter
+		}
+	}
+}
+
 // WithLookupEnv sets how auth.env is resolved (default os.LookupEnv).
 func WithLookupEnv(f func(string) (string, bool)) Option {
 	return func(o *options) { o.lookupEnv = f }
 }
 
 func newOptions(opts []Option) *options {
-	o := &options{client: &http.Client{CheckRedirect: sameHostRedirects}, now: time.Now, lookupEnv: os.LookupEnv}
+	o := &options{client: &http.Client{CheckRedirect: sameHostRedirects}, now: time.Now, lookupEnv: os.LookupEnv,
+		sleep: sleepCtx, jitter: fullJitter}
 	for _, f := range opts {
 		f(o)
 	}
@@ -133,6 +151,7 @@ type Adapter struct {
 	cfg    *config
 	client *http.Client
 	now    func() time.Time
+	opts   *options
 	// red removes every encoded form of the block's credential (raw,
 	// Basic, base64, URL- and percent-encoded, JSON-escaped) from text an
 	// API may echo it in: error bodies, transport errors.
@@ -149,7 +168,7 @@ func newAdapter(name string, settings *yaml.Node, o *options) (*Adapter, error) 
 		red.Add(cfg.auth.secret)
 		red.AddHeader(cfg.auth.value)
 	}
-	return &Adapter{cfg: cfg, client: o.client, now: o.now, red: red}, nil
+	return &Adapter{cfg: cfg, client: o.client, now: o.now, opts: o, red: red}, nil
 }
 
 // Kind returns the kind of operation the block reads back.
@@ -232,6 +251,12 @@ type Evidence struct {
 	Fields map[string]string `json:"fields,omitempty"`
 	// Reason explains a diverged, inconclusive or non-authoritative answer.
 	Reason string `json:"reason,omitempty"`
+	// PageRetries is how many requests of the check (pages of a search,
+	// or the fetch) were retried within it after a transient failure, and
+	// Retries says which and why (see the block's retry settings). The
+	// pages read before a retried one are kept: the retry resumes at it.
+	PageRetries int         `json:"page_retries,omitempty"`
+	Retries     []RetryNote `json:"retries,omitempty"`
 	// Sanitized is set when a string of the result (query, ids, evidence)
 	// was altered to be stored: invalid UTF-8 or a NUL replaced, or cut.
 	Sanitized bool `json:"sanitized,omitempty"`
@@ -437,11 +462,11 @@ func (a *Adapter) decode(u *url.URL, body []byte, items *pointer, maxItems int) 
 		if errors.Is(err, errTooLarge) {
 			return nil, readback.PermanentError(fmt.Errorf("%s: %w (raise search.max_page_items or ask for smaller pages)", u.Redacted(), err))
 		}
-		return nil, readback.TransientError(fmt.Errorf("%s: response is not JSON: %w", u.Redacted(), err), 0)
+		return nil, readback.TransientError(fmt.Errorf("%s: %w: %w", u.Redacted(), errNotJSON, err), 0)
 	}
 	var doc any
 	if err := decodeJSON(body, &doc); err != nil {
-		return nil, readback.TransientError(fmt.Errorf("%s: response is not JSON: %w", u.Redacted(), err), 0)
+		return nil, readback.TransientError(fmt.Errorf("%s: %w: %w", u.Redacted(), errNotJSON, err), 0)
 	}
 	return doc, nil
 }
@@ -536,7 +561,8 @@ func (a *Adapter) search(ctx context.Context, sc *scope) (readback.Result, error
 		res.Verdict, res.Authoritative = readback.VerdictAbsent, false
 		return res, nil
 	}
-	p1, err := a.readPass(ctx, sc, first, m, ev)
+	rt := a.retrier(ctx, ev)
+	p1, err := a.readPass(ctx, rt, sc, first, m, ev)
 	if err != nil {
 		return readback.Result{}, err
 	}
@@ -568,7 +594,7 @@ func (a *Adapter) search(ctx context.Context, sc *scope) (readback.Result, error
 	// A page-number or offset list can skip an item under concurrent
 	// writes (one deleted on page 1 shifts ours back onto page 1 after it
 	// was read): read it all again, after the first pass ended.
-	p2, err := a.readPass(ctx, sc, first, m, ev)
+	p2, err := a.readPass(ctx, rt, sc, first, m, ev)
 	if err != nil {
 		return readback.Result{}, err
 	}
@@ -646,15 +672,15 @@ type pass struct {
 // readPass reads the list once, from first to its end or the page bound,
 // adding what it saw to ev. A pass that saw an unmarked item with an absurd
 // creation time is incomplete: its absence proves nothing.
-func (a *Adapter) readPass(ctx context.Context, sc *scope, first *url.URL, m *itemMatcher, ev *Evidence) (*pass, error) {
-	p, err := a.readPassOnce(ctx, sc, first, m, ev)
+func (a *Adapter) readPass(ctx context.Context, rt *retrier, sc *scope, first *url.URL, m *itemMatcher, ev *Evidence) (*pass, error) {
+	p, err := a.readPassOnce(ctx, rt, sc, first, m, ev)
 	if err == nil && p.incomplete == "" && p.incompleteAfter != "" {
 		p.incomplete = p.incompleteAfter
 	}
 	return p, err
 }
 
-func (a *Adapter) readPassOnce(ctx context.Context, sc *scope, first *url.URL, m *itemMatcher, ev *Evidence) (*pass, error) {
+func (a *Adapter) readPassOnce(ctx context.Context, rt *retrier, sc *scope, first *url.URL, m *itemMatcher, ev *Evidence) (*pass, error) {
 	s := a.cfg.search
 	pg := a.cfg.pagination
 	p := &pass{}
@@ -665,17 +691,29 @@ func (a *Adapter) readPassOnce(ctx context.Context, sc *scope, first *url.URL, m
 	u := first
 	page := *pg.Start
 	for {
-		resp, err := a.do(ctx, s.method, u, nil)
+		// A failed page (timeout, 5xx, a short Retry-After, a cut or
+		// garbled body: a proxy's fault) is asked again within the pass,
+		// at the same URL: the pages before it stay read, and the pass
+		// goes on from it exactly as if the first answer had been good.
+		var resp *response
+		var doc any
+		err := rt.do(ctx, ev.Passes, p.requests+1, func() error {
+			r, err := a.do(ctx, s.method, u, nil)
+			if err != nil {
+				return err
+			}
+			d, err := a.decode(u, r.body, &s.items, s.maxItems)
+			if err != nil {
+				return err
+			}
+			resp, doc = r, d
+			return nil
+		})
 		if err != nil {
 			return nil, err
 		}
 		p.requests++
 		ev.Pages++
-		// A cut or garbled page may be a proxy's fault: ask again later.
-		doc, err := a.decode(u, resp.body, &s.items, s.maxItems)
-		if err != nil {
-			return nil, err
-		}
 		raw, ok := s.items.get(doc)
 		list, isList := raw.([]any)
 		if !ok || !isList {
@@ -1039,7 +1077,16 @@ func (a *Adapter) fetchOne(ctx context.Context, sc *scope) (readback.Result, err
 	}
 	ev := &Evidence{}
 	res := readback.Result{Query: f.method + " " + u.Redacted(), Evidence: ev, Authoritative: true}
-	resp, err := a.do(ctx, f.method, u, f.gone)
+	var resp *response
+	err = a.retrier(ctx, ev).do(ctx, 0, 0, func() error {
+		r, err := a.do(ctx, f.method, u, f.gone)
+		if err == nil && r.status >= 200 && r.status <= 299 {
+			// A body that does not decode is retried like a failed read.
+			_, err = a.decode(u, r.body, nil, defaultMaxPageItems)
+		}
+		resp = r
+		return err
+	})
 	if err != nil {
 		return readback.Result{}, err
 	}

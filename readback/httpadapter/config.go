@@ -33,6 +33,9 @@ type settingsYAML struct {
 	Compare      *compareYAML      `yaml:"compare"`
 	Guard        *guardYAML        `yaml:"guard"`
 	RateLimit    *rateLimitYAML    `yaml:"rate_limit"`
+	// Retry says how a request failing transiently is retried within a
+	// check (retry.go).
+	Retry *retryYAML `yaml:"retry"`
 	// MaxResponseBytes bounds one response body (default 8 MiB).
 	MaxResponseBytes int `yaml:"max_response_bytes"`
 	// SecretFields lists payload pointers the agent declares secret
@@ -141,6 +144,7 @@ type config struct {
 	guard      []pointer
 	rateLimit  rateLimitYAML
 	pagination paginationYAML
+	retry      retryPolicy
 	// maxBytes bounds a response body (max_response_bytes).
 	maxBytes int
 	// secret are the payload pointers declared secret (secret_fields).
@@ -361,6 +365,9 @@ func compile(name string, s settingsYAML, o *options) (*config, error) {
 			return nil, fieldErr("headers."+k, "credentials go in auth (env or file), not in headers")
 		}
 		c.headers.Set(k, v)
+	}
+	if c.retry, err = compileRetry(s.Retry); err != nil {
+		return nil, err
 	}
 	c.maxBytes = defaultMaxResponseBytes
 	if s.MaxResponseBytes != 0 {

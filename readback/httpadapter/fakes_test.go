@@ -52,7 +52,14 @@ type fakeAPI struct {
 	// ignorePage serves the first page whatever the page parameter says (a
 	// static list); dropHasMore leaves has_more out of Stripe's pages.
 	ignorePage, dropHasMore bool
+	// flaky, when set, is asked for every request (numbered from 1) and
+	// fails it with the status it returns: 0 serves it, cutBody serves a
+	// 200 whose body is cut short. The items (the truth) do not change.
+	flaky func(n int) int
 }
+
+// cutBody is a flaky "status": a 200 whose JSON body a proxy cut.
+const cutBody = -1
 
 // remove deletes the item with id; the caller holds the lock (after).
 func (f *fakeAPI) remove(id string) {
@@ -111,6 +118,21 @@ func (f *fakeAPI) serve(w http.ResponseWriter, r *http.Request) {
 	defer f.mu.Unlock()
 	f.requests = append(f.requests, r.URL.RequestURI())
 	f.auths = append(f.auths, r.Header.Get("Authorization"))
+	if f.flaky != nil {
+		switch st := f.flaky(len(f.requests)); {
+		case st == cutBody:
+			w.Header().Set("Content-Type", "application/json")
+			_, _ = w.Write([]byte(`{"items": [{"id": "x`))
+			return
+		case st == http.StatusTooManyRequests:
+			w.Header().Set("Retry-After", "0")
+			f.writeError(w, st)
+			return
+		case st != 0:
+			f.writeError(w, st)
+			return
+		}
+	}
 	if f.force != 0 {
 		for k, v := range f.headers {
 			w.Header()[k] = v
