@@ -24,6 +24,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/receiptledger/reconciler/internal/dbclock"
+	"github.com/receiptledger/reconciler/internal/protect"
 	"github.com/receiptledger/reconciler/readback"
 	"github.com/receiptledger/reconciler/statemachine"
 )
@@ -621,6 +622,11 @@ func (s *session) process(c Claimed) Outcome {
 		return p.dec.release(c, now)
 	}
 	ctx, cancel := context.WithTimeout(s.work, cfg.CheckTimeout)
+	if r, ok := pass.(protect.Retrier); ok {
+		// Retries an adapter makes inside the check (a flaky page) are
+		// charged to the dependency's retry budget like repeated checks.
+		ctx = protect.WithRetrier(ctx, r)
+	}
 	// Absence is judged at the moment the read began (SPEC §5a): the
 	// database's time just before the adapter's first request, never the
 	// time its answer arrives.

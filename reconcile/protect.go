@@ -47,6 +47,10 @@ func (gg guardGate) BreakerStates() map[string]string {
 
 type guardPass struct{ p *protect.Permit }
 
+// Retry charges a retry made inside the check (an adapter retrying a page)
+// to the dependency's retry budget: protect.Retrier.
+func (gp guardPass) Retry() error { return gp.p.Retry() }
+
 func (gp guardPass) Exit(result CheckResult, retryAfter time.Duration) {
 	outcome := protect.Abandoned
 	switch result {

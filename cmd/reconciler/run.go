@@ -65,7 +65,7 @@ func runFlags() []cli.Flag {
 		&cli.DurationFlag{Name: "grace-period", Value: 20 * time.Second, EnvVars: []string{"RECONCILER_GRACE_PERIOD"},
 			Usage: "on SIGTERM/SIGINT, how long in-flight checks may finish before their rows are released"},
 		&cli.IntFlag{Name: "breaker-failures", Value: flagDefaults.Breaker.FailureThreshold, EnvVars: []string{"RECONCILER_BREAKER_FAILURES"},
-			Usage: "consecutive transient readback failures that open a dependency's circuit breaker; a default the adapters file overrides per dependency"},
+			Usage: "consecutive transient readback failures that also open a dependency's circuit breaker (0: off; the breaker opens on its failure rate); a default the adapters file overrides per dependency"},
 		&cli.DurationFlag{Name: "breaker-cooldown", Value: flagDefaults.Breaker.Cooldown, EnvVars: []string{"RECONCILER_BREAKER_COOLDOWN"},
 			Usage: "how long an open breaker waits before its single half-open probe; a default the adapters file overrides per dependency"},
 		&cli.IntFlag{Name: "dependency-concurrency", Value: flagDefaults.Concurrency.MaxInFlight, EnvVars: []string{"RECONCILER_DEPENDENCY_CONCURRENCY"},
@@ -310,6 +310,15 @@ func applyLimits(def protect.Policy, l readback.DependencyLimits) (protect.Polic
 	if l.BreakerCooldown != nil {
 		p.Breaker.Cooldown = *l.BreakerCooldown
 	}
+	if l.BreakerWindow != nil {
+		p.Breaker.Window = *l.BreakerWindow
+	}
+	if l.BreakerMinCalls != nil {
+		p.Breaker.MinCalls = *l.BreakerMinCalls
+	}
+	if l.BreakerRate != nil {
+		p.Breaker.FailureRate = *l.BreakerRate
+	}
 	if l.BreakerMaxCooldown != nil {
 		p.Breaker.MaxCooldown = *l.BreakerMaxCooldown
 		if p.Breaker.MaxCooldown < p.Breaker.Cooldown {
@@ -335,6 +344,12 @@ func applyLimits(def protect.Policy, l readback.DependencyLimits) (protect.Polic
 		if p.Degraded.ExitRate > p.Degraded.EnterRate {
 			return p, "degraded.exit", fmt.Errorf("must not exceed degraded.enter (%v by default)", p.Degraded.EnterRate)
 		}
+	}
+	if l.DegradedDecrease != nil {
+		p.Degraded.Decrease = *l.DegradedDecrease
+	}
+	if l.DegradedIncrease != nil {
+		p.Degraded.Increase = *l.DegradedIncrease
 	}
 	if l.DegradedConcurrency != nil {
 		p.Degraded.MaxInFlight = *l.DegradedConcurrency
@@ -386,9 +401,13 @@ func printDependencyLimits(w io.Writer, file string, reg *readback.Registry) err
 		if p.Rate.Limit == rate.Inf {
 			r, burst = "unlimited", "-"
 		}
-		fmt.Fprintf(tw, "%s\t%d\t%s\t%s\t%d failures, %s cooldown (max %s)\t%g%%, min %d per %s\tat %g%% (exit %g%%), %d in flight\t%s\n",
+		breaker := fmt.Sprintf("%g%% of %d+ calls per %s", p.Breaker.FailureRate*100, p.Breaker.MinCalls, p.Breaker.Window)
+		if p.Breaker.FailureThreshold > 0 {
+			breaker += fmt.Sprintf(" or %d in a row", p.Breaker.FailureThreshold)
+		}
+		fmt.Fprintf(tw, "%s\t%d\t%s\t%s\t%s, %s cooldown (max %s)\t%g%%, min %d per %s\tat %g%% (exit %g%%), %d in flight\t%s\n",
 			name, p.Concurrency.MaxInFlight, r, burst,
-			p.Breaker.FailureThreshold, p.Breaker.Cooldown, p.Breaker.MaxCooldown,
+			breaker, p.Breaker.Cooldown, p.Breaker.MaxCooldown,
 			p.RetryBudget.Ratio*100, p.RetryBudget.MinRetries, p.RetryBudget.Window,
 			p.Degraded.EnterRate*100, p.Degraded.ExitRate*100, p.Degraded.MaxInFlight, from)
 	}

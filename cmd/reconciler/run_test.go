@@ -138,8 +138,8 @@ func TestProtectConfigErrors(t *testing.T) {
 	}{
 		{"degraded above the flag concurrency", readback.DependencyLimits{Line: 12, DegradedConcurrency: ptr(9)},
 			`adapters.yaml:12: dependency "github": degraded.concurrency: must not exceed concurrency (8, from --dependency-concurrency)`},
-		{"exit above the default enter", readback.DependencyLimits{Line: 12, DegradedExit: fptr(0.6)},
-			`adapters.yaml:12: dependency "github": degraded.exit: must not exceed degraded.enter (0.5 by default)`},
+		{"exit above the default enter", readback.DependencyLimits{Line: 12, DegradedExit: fptr(0.3)},
+			`adapters.yaml:12: dependency "github": degraded.exit: must not exceed degraded.enter (0.2 by default)`},
 		{"max cooldown below the flag cooldown", readback.DependencyLimits{Line: 12, BreakerMaxCooldown: dptr(10 * time.Second)},
 			`adapters.yaml:12: dependency "github": breaker.max_cooldown: must be at least the cooldown (30s, from --breaker-cooldown)`},
 		{"backstop", readback.DependencyLimits{Line: 12, Rate: fptr(-1)},
@@ -185,9 +185,9 @@ func TestAdaptersCheckPrintsLimits(t *testing.T) {
 		}
 	}
 	for dep, want := range map[string]string{
-		"github": "github 2 1/s 5 3 failures, 10m0s cooldown (max 10m0s) 50%, min 0 per 1m0s at 40% (exit 20%), 1 in flight file+flags",
-		"shop":   "shop 8 unlimited - 5 failures, 30s cooldown (max 5m0s) 20%, min 10 per 1m0s at 50% (exit 10%), 1 in flight file+flags",
-		"stripe": "stripe 8 20/s 10 5 failures, 30s cooldown (max 5m0s) 20%, min 10 per 1m0s at 50% (exit 25%), 1 in flight file+flags",
+		"github": "github 2 1/s 5 50% of 20+ calls per 30s or 3 in a row, 10m0s cooldown (max 10m0s) 50%, min 0 per 1m0s at 40% (exit 20%), 1 in flight file+flags",
+		"shop":   "shop 8 unlimited - 50% of 20+ calls per 30s, 30s cooldown (max 5m0s) 20%, min 10 per 1m0s at 20% (exit 10%), 1 in flight file+flags",
+		"stripe": "stripe 8 20/s 10 50% of 20+ calls per 30s, 30s cooldown (max 5m0s) 20%, min 10 per 1m0s at 20% (exit 10%), 1 in flight file+flags",
 	} {
 		if rows[dep] != want {
 			t.Errorf("row of %s = %q\nwant        %q", dep, rows[dep], want)
