@@ -37,12 +37,16 @@ import (
 // EnvURL names the variable that points tests at an existing server.
 const EnvURL = "RECONCILER_TEST_DATABASE_URL"
 
-const templateName = "reconciler_test_template"
+// templatePrefix starts the name of each test process's template
+// database: one per process, so test binaries sharing one server (go test
+// ./... runs packages in parallel) never drop each other's template.
+const templatePrefix = "reconciler_test_template_"
 
 // server is the process-wide test server: started once, stopped by Main.
 type server struct {
 	once     sync.Once
 	adminURL string
+	template string
 	stop     func()
 	err      error
 }
@@ -55,6 +59,11 @@ var shared server
 // started. Call it from TestMain: func TestMain(m *testing.M) { pgtest.Main(m) }.
 func Main(m *testing.M) {
 	code := m.Run()
+	if shared.template != "" && shared.stop == nil {
+		// A server the caller runs outlives this process: leave it
+		// without this process's template.
+		dropTemplate(shared.adminURL, shared.template)
+	}
 	if shared.stop != nil {
 		shared.stop()
 	}
@@ -68,7 +77,8 @@ func AdminURL(tb testing.TB) string {
 	shared.once.Do(func() {
 		shared.adminURL, shared.stop, shared.err = start()
 		if shared.err == nil {
-			shared.err = migrateTemplate(shared.adminURL)
+			shared.template = templatePrefix + randomHex(6)
+			shared.err = migrateTemplate(shared.adminURL, shared.template)
 		}
 	})
 	if shared.err != nil {
@@ -81,7 +91,8 @@ func AdminURL(tb testing.TB) string {
 // when the test ends, and returns its URL.
 func NewDatabase(tb testing.TB) string {
 	tb.Helper()
-	return newDatabase(tb, templateName)
+	AdminURL(tb)
+	return newDatabase(tb, shared.template)
 }
 
 // NewEmptyDatabase creates a database with no schema at all, for tests of
@@ -140,18 +151,13 @@ func Pool(tb testing.TB, url string) *pgxpool.Pool {
 	return pool
 }
 
-func migrateTemplate(admin string) error {
+func migrateTemplate(admin, templateName string) error {
 	ctx := context.Background()
 	conn, err := pgx.Connect(ctx, admin)
 	if err != nil {
 		return fmt.Errorf("connect %s: %w", redact(admin), err)
 	}
 	defer conn.Close(ctx)
-	// Another test process may be building the template at the same time.
-	if _, err := conn.Exec(ctx, `SELECT pg_advisory_lock(727274)`); err != nil {
-		return err
-	}
-	defer conn.Exec(ctx, `SELECT pg_advisory_unlock(727274)`) //nolint:errcheck
 	if _, err := conn.Exec(ctx, `DROP DATABASE IF EXISTS `+templateName+` WITH (FORCE)`); err != nil {
 		return fmt.Errorf("drop template: %w", err)
 	}
@@ -265,4 +271,15 @@ func Backdate(tb testing.TB, pool *pgxpool.Pool, id int64, age time.Duration) {
 	if err != nil {
 		tb.Fatalf("pgtest: backdate receipt %d: %v", id, err)
 	}
+}
+
+// dropTemplate drops the template database name, best effort.
+func dropTemplate(admin, name string) {
+	ctx := context.Background()
+	conn, err := pgx.Connect(ctx, admin)
+	if err != nil {
+		return
+	}
+	defer conn.Close(ctx)
+	_, _ = conn.Exec(ctx, `DROP DATABASE IF EXISTS `+name+` WITH (FORCE)`)
 }
