@@ -50,7 +50,7 @@ func reviewCommand() *cli.Command {
 					urlFlag(),
 					&cli.StringFlag{Name: "operation", Usage: "only this operation"},
 					&cli.StringFlag{Name: "dependency", Usage: "only this dependency"},
-					&cli.DurationFlag{Name: "older-than", Usage: "only receipts held at least this long (e.g. 30m, 48h)"},
+					&cli.StringFlag{Name: "older-than", Usage: "only receipts held at least this long (e.g. 30m, 48h, 2d)"},
 					&cli.IntFlag{Name: "limit", Value: review.DefaultLimit, Usage: "at most this many receipts"},
 					&cli.BoolFlag{Name: "json", Usage: "print one JSON array instead of a table"},
 				},
@@ -98,8 +98,9 @@ func reviewListAction(c *cli.Context) error {
 	if c.Int("limit") <= 0 {
 		return cli.Exit(fmt.Sprintf("%s: --limit must be positive", cmd), 2)
 	}
-	if c.Duration("older-than") < 0 {
-		return cli.Exit(fmt.Sprintf("%s: --older-than must not be negative", cmd), 2)
+	olderThan, err := parseAge(c.String("older-than"))
+	if err != nil {
+		return cli.Exit(fmt.Sprintf("%s: --older-than: %v", cmd, err), 2)
 	}
 	pool, err := openPool(c, cmd, readLedger)
 	if err != nil {
@@ -108,7 +109,7 @@ func reviewListAction(c *cli.Context) error {
 	defer pool.Close()
 	held, err := review.List(c.Context, pool, review.Filter{
 		Operation: c.String("operation"), Dependency: c.String("dependency"),
-		OlderThan: c.Duration("older-than"), Limit: c.Int("limit"),
+		OlderThan: olderThan, Limit: c.Int("limit"),
 	})
 	if err != nil {
 		return dbFailure(cmd, pool, err, readLedger)
@@ -121,7 +122,7 @@ func reviewListAction(c *cli.Context) error {
 	}
 	scr := newScreen(c.App.Writer)
 	if len(held) == 0 {
-		if c.IsSet("operation") || c.IsSet("dependency") || c.Duration("older-than") > 0 {
+		if c.IsSet("operation") || c.IsSet("dependency") || olderThan > 0 {
 			scr.Printf("no receipts match: none held in manual_review has the operation, dependency or age asked for\n")
 		} else {
 			scr.Printf("no receipts held in manual_review\n")
@@ -400,4 +401,30 @@ func writeJSON(w io.Writer, v any) error {
 		return cli.Exit(fmt.Sprintf("json: %v", err), 1)
 	}
 	return nil
+}
+
+// parseAge reads an age for --older-than: a Go duration (30m, 48h) or a
+// whole number of days (2d), which is how people say how long a receipt
+// has been held. Empty means no bound.
+func parseAge(s string) (time.Duration, error) {
+	if s == "" {
+		return 0, nil
+	}
+	var d time.Duration
+	if days, ok := strings.CutSuffix(s, "d"); ok {
+		n, err := strconv.Atoi(days)
+		if err != nil || n < 0 || n > 100000 {
+			return 0, fmt.Errorf("want a duration such as 30m, 48h or 2d, got %q", s)
+		}
+		d = time.Duration(n) * 24 * time.Hour
+	} else {
+		var err error
+		if d, err = time.ParseDuration(s); err != nil {
+			return 0, fmt.Errorf("want a duration such as 30m, 48h or 2d, got %q", s)
+		}
+	}
+	if d < 0 {
+		return 0, fmt.Errorf("must not be negative, got %q", s)
+	}
+	return d, nil
 }
