@@ -12,6 +12,7 @@
 package reconcile
 
 import (
+	"container/heap"
 	"context"
 	"errors"
 	"fmt"
@@ -344,6 +345,18 @@ type session struct {
 
 	mu      sync.Mutex
 	summary Summary
+
+	// due holds the times (database clock, rounded up to dueGrain) at
+	// which rows this session released become due again, so that Run
+	// wakes for the earliest of them instead of waiting out the poll
+	// interval: an open breaker's half-open probe then happens at the end
+	// of its cooldown. Only Run (not Drain) records them. rearm tells an
+	// idle claim loop that an earlier time was recorded.
+	dueMu  sync.Mutex
+	due    dueTimes
+	dueSet map[int64]struct{} // the times in due, as Unix nanoseconds
+	rearm  chan struct{}
+	run    bool
 }
 
 func (p *Pool) serve(ctx context.Context, once bool) (Summary, error) {
@@ -356,6 +369,8 @@ func (p *Pool) serve(ctx context.Context, once bool) (Summary, error) {
 		space:    make(chan struct{}, 1),
 		summary:  newSummary(),
 		leases:   map[int64]heldLease{},
+		rearm:    make(chan struct{}, 1),
+		run:      !once,
 	}
 	finished := make(chan struct{})
 	defer close(finished)
@@ -487,6 +502,8 @@ func (s *session) claimLoop(once bool, wake <-chan struct{}) error {
 		if once {
 			dueBy = cutoff
 		}
+		// Every recorded due time up to now is covered by this claim.
+		s.takeDue(now)
 		// The claim outlives the stop signal: cancelled mid-statement it
 		// could commit leases this process would never hear of, leaving
 		// rows held until their lease expires.
@@ -529,13 +546,122 @@ func (s *session) claimLoop(once bool, wake <-chan struct{}) error {
 			s.waitSpace()
 			continue
 		}
-		select {
-		case <-s.stop.Done():
-		case <-wake:
-		case <-poll.C:
-		}
+		s.idle(wake, poll.C)
 	}
 	return nil
+}
+
+// dueGrain is how finely due times are told apart: the wake-ups for rows
+// released to become due within one grain are one claim, and a row released
+// due at once (or in the past) is claimed within a grain, so a gate that
+// keeps deferring to the past cannot make the claim loop spin.
+const dueGrain = 100 * time.Millisecond
+
+// maxDueTimes bounds the due times remembered; beyond it a new time is not
+// recorded and the poll interval covers it.
+const maxDueTimes = 4096
+
+// dueTimes is a min-heap of distinct due times.
+type dueTimes []time.Time
+
+func (h dueTimes) Len() int           { return len(h) }
+func (h dueTimes) Less(i, j int) bool { return h[i].Before(h[j]) }
+func (h dueTimes) Swap(i, j int)      { h[i], h[j] = h[j], h[i] }
+func (h *dueTimes) Push(x any)        { *h = append(*h, x.(time.Time)) }
+func (h *dueTimes) Pop() any {
+	old := *h
+	t := old[len(old)-1]
+	*h = old[:len(old)-1]
+	return t
+}
+
+// noteDue records that released rows become due at the times given
+// (database clock), for Run's wake-ups. A time already passed counts as
+// now: it is claimed within a grain.
+func (s *session) noteDue(times []time.Time) {
+	if !s.run || len(times) == 0 {
+		return
+	}
+	grain := min(dueGrain, s.p.cfg.PollInterval)
+	now := s.p.cfg.Now()
+	s.dueMu.Lock()
+	earlier := false
+	for _, t := range times {
+		t = later(t, now)
+		r := t.Truncate(grain)
+		if r.Before(t) {
+			r = r.Add(grain)
+		}
+		if _, ok := s.dueSet[r.UnixNano()]; ok || len(s.due) >= maxDueTimes {
+			continue
+		}
+		if s.dueSet == nil {
+			s.dueSet = map[int64]struct{}{}
+		}
+		s.dueSet[r.UnixNano()] = struct{}{}
+		heap.Push(&s.due, r)
+		earlier = earlier || s.due[0].Equal(r)
+	}
+	s.dueMu.Unlock()
+	if earlier {
+		select {
+		case s.rearm <- struct{}{}:
+		default:
+		}
+	}
+}
+
+// takeDue forgets the due times up to now: the claim about to run at now
+// covers their rows.
+func (s *session) takeDue(now time.Time) {
+	s.dueMu.Lock()
+	defer s.dueMu.Unlock()
+	for len(s.due) > 0 && !s.due[0].After(now) {
+		delete(s.dueSet, heap.Pop(&s.due).(time.Time).UnixNano())
+	}
+}
+
+// nextDue returns how long until the earliest recorded due time (at most
+// zero when it has passed), and whether there is one.
+func (s *session) nextDue() (time.Duration, bool) {
+	s.dueMu.Lock()
+	defer s.dueMu.Unlock()
+	if len(s.due) == 0 {
+		return 0, false
+	}
+	return s.due[0].Sub(s.p.cfg.Now()), true
+}
+
+// idle waits, between claims of Run, for min(poll interval, earliest due
+// time − now): a NOTIFY, the poll tick, the earliest time a released row
+// becomes due, or the stop. A due time recorded meanwhile that is earlier
+// than the one waited for re-arms the timer.
+func (s *session) idle(wake <-chan struct{}, poll <-chan time.Time) {
+	t := time.NewTimer(time.Hour)
+	defer t.Stop()
+	for {
+		var due <-chan time.Time
+		if d, ok := s.nextDue(); ok {
+			if d <= 0 {
+				return
+			}
+			t.Reset(d)
+			due = t.C
+		} else {
+			t.Stop()
+		}
+		select {
+		case <-s.stop.Done():
+			return
+		case <-wake:
+			return
+		case <-poll:
+			return
+		case <-due:
+			return
+		case <-s.rearm:
+		}
+	}
 }
 
 // waitSpace waits until the completer frees room or the session stops.
@@ -804,6 +930,7 @@ func (s *session) flush(batch []Outcome) {
 	for _, id := range applied {
 		ok[id] = true
 	}
+	var dueAt []time.Time
 	s.mu.Lock()
 	for _, o := range batch {
 		switch {
@@ -837,9 +964,14 @@ func (s *session) flush(batch []Outcome) {
 			if p.m != nil {
 				p.m.Rescheduled.Inc()
 			}
+			if !o.NextCheck.IsZero() {
+				dueAt = append(dueAt, o.NextCheck)
+			}
 		}
 	}
 	s.mu.Unlock()
+	// Run wakes when the first of these rows is due again.
+	s.noteDue(dueAt)
 	s.inflight.Add(-int64(len(batch)))
 	select {
 	case s.space <- struct{}{}:
