@@ -7,11 +7,11 @@ import (
 	"net/url"
 	"strconv"
 	"strings"
-	"unicode/utf8"
 
 	"github.com/jackc/pgx/v5/pgconn"
 
 	"github.com/receiptledger/reconciler/internal/redact"
+	"github.com/receiptledger/reconciler/internal/sanitize"
 	"github.com/receiptledger/reconciler/statemachine"
 )
 
@@ -160,13 +160,7 @@ func redactRequestText(msg string, req *http.Request) string {
 			}
 		}
 	}
-	if len(msg) > maxMessageBytes {
-		cut := maxMessageBytes
-		for cut > 0 && !utf8.RuneStart(msg[cut]) {
-			cut--
-		}
-		msg = msg[:cut] + "…"
-	}
+	msg, _ = sanitize.Text(msg, maxMessageBytes)
 	return msg
 }
 

@@ -18,7 +18,6 @@ import (
 	"sync/atomic"
 	"syscall"
 	"time"
-	"unicode/utf8"
 
 	"github.com/receiptledger/reconciler/internal/sanitize"
 	"github.com/receiptledger/reconciler/statemachine"
@@ -1046,14 +1045,7 @@ func redirectLocation(ex Exchange) string {
 		u = ex.Request.URL.ResolveReference(u)
 	}
 	u.User, u.RawQuery, u.ForceQuery, u.Fragment, u.RawFragment = nil, "", false, "", ""
-	loc := u.String()
-	if len(loc) > maxMessageBytes {
-		cut := maxMessageBytes
-		for cut > 0 && !utf8.RuneStart(loc[cut]) {
-			cut--
-		}
-		loc = loc[:cut] + "…"
-	}
+	loc, _ := sanitize.Text(u.String(), maxMessageBytes)
 	return loc
 }
 
