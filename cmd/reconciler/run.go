@@ -222,10 +222,6 @@ func runAction(c *cli.Context) error {
 		}
 		return nil
 	}
-	// The backlog gauges from the start, not after the first metrics interval.
-	if b, err := pool.Store().Backlog(ctx, clock.Now(), cfg.StalePlannedAfter, cfg.OrphanTimeout); err == nil {
-		metrics.SetBacklog(b)
-	}
 	logger.Info("reconciler started", "adapters", len(reg.Bindings()), "workers", cfg.Workers, "batch_size", cfg.BatchSize)
 	sum, err := pool.Run(ctx)
 	if err != nil {
