@@ -15,7 +15,7 @@ import (
 	"github.com/receiptledger/reconciler/statemachine"
 )
 
-// waitFor polls cond (a database condition) until it holds or 30 s pass.
+// waitUntil polls cond (a database condition) until it holds or 30 s pass.
 func waitUntil(t *testing.T, what string, cond func() bool) {
 	t.Helper()
 	deadline := time.Now().Add(30 * time.Second)
