@@ -167,14 +167,17 @@ GRANT SELECT ON reconciler.goose_db_version
 -- record what it learned after the orphan sweep moved its receipt
 -- (reconciler.record_late_outcome), read its receipts and their history.
 -- (INSERT of max_send_delay and guarded too: plan writes both, and an
--- unguarded receipt is what allow_duplicate asks for, which the agent may.)
+-- unguarded receipt is what allow_duplicate asks for, which the agent may;
+-- and of state: plan(..., submit => true) inserts a receipt planned and
+-- submitted at once, which the insert trigger checks as the move planned
+-- -> submitted, and refuses any other first state.)
 -- retry_error decides, inside plan, the insert trigger and a retry's
 -- submission (which locks the retried receipt FOR SHARE: that needs the
 -- UPDATE privilege below), whether a receipt may be retried, which
 -- includes reading its late outcomes. submitted_by is not granted: the
 -- trigger stamps it.
 GRANT EXECUTE ON FUNCTION
-    reconciler.plan(text, text, text, text, text, text, jsonb, text, boolean, bigint, jsonb, interval),
+    reconciler.plan(text, text, text, text, text, text, jsonb, text, boolean, bigint, jsonb, interval, boolean),
     reconciler.retry_error(reconciler.receipts),
     reconciler.transition(bigint, text, text, jsonb, text, text),
     reconciler.record_late_outcome(bigint, text, text, integer, text, jsonb)
@@ -183,7 +186,7 @@ GRANT SELECT ON reconciler.receipts, reconciler.receipt_events, reconciler.recei
                 reconciler.late_outcomes
     TO reconciler_agent;
 GRANT INSERT (idempotency_key, operation, dependency, method, target, fingerprint, intent,
-              state_actor, attempt, retry_of, pre_image, max_send_delay, guarded)
+              state_actor, attempt, retry_of, pre_image, max_send_delay, guarded, state)
     ON reconciler.receipts TO reconciler_agent;
 GRANT UPDATE (state, state_actor, state_detail, external_id)
     ON reconciler.receipts TO reconciler_agent;

@@ -59,6 +59,12 @@ var (
 	// late answer was recorded between the retry's plan and its submit:
 	// the retry stays planned and nothing is sent.
 	ErrRetryRefused = errors.New("retry refused")
+	// ErrKnownKey is returned by PlanAndSubmit, with the key's receipt as
+	// it is, when the idempotency key already names a receipt: nothing was
+	// submitted, and the caller carries on from that receipt's state
+	// (Submit a planned one, replay one past planned, Retry one that may
+	// be retried). SQLSTATE RL008.
+	ErrKnownKey = errors.New("idempotency key already planned: nothing submitted")
 )
 
 // DuplicateError is returned by Plan when the intent's fingerprint is
@@ -108,6 +114,7 @@ const (
 	codeKeyReused  = "RL004"
 	codeDuplicate  = "RL005"
 	codeInvalidKey = "RL007"
+	codeKnownKey   = "RL008"
 )
 
 // pgCode returns the SQLSTATE of err, or "".

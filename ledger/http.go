@@ -328,13 +328,38 @@ func (c *Caller) Do(ctx context.Context, in Intent, req *http.Request) (*Result,
 		closeBody(req)
 		return nil, err
 	}
-	r, err := c.Ledger.Plan(ctx, in)
+	if err := ctx.Err(); err != nil {
+		closeBody(req)
+		return nil, fmt.Errorf("ledger: plan %s: nothing recorded, nothing sent: %w", in.IdempotencyKey, err)
+	}
+	// A new key's receipt is planned and submitted in one statement, under
+	// the write context (its outcome must be known: a submitted receipt is
+	// one the caller may send). The send deadline starts before that
+	// statement: the database stamps submitted_at later than this, so
+	// t0+delay is never later than the receipt's SendDeadline.
+	t0 := time.Now()
+	wctx, cancel := c.writeContext(ctx)
+	r, err := c.Ledger.PlanAndSubmit(wctx, in)
+	cancel()
+	// fresh: submitted by this call, so this call sends it. A known key's
+	// receipt (ErrKnownKey) is carried on from its state below.
+	fresh := err == nil
+	if errors.Is(err, ErrKnownKey) {
+		err = nil
+	}
 	var prev *Receipt
 	// The same step run again after a proven absence or a retryable
 	// rejection is the next attempt of it.
-	for err == nil && (r.State == statemachine.SafeToRetry || r.Retryable) {
+	for err == nil && !fresh && (r.State == statemachine.SafeToRetry || r.Retryable) {
 		prev = r
-		r, err = c.Ledger.Retry(ctx, prev, in)
+		t0 = time.Now()
+		wctx, cancel = c.writeContext(ctx)
+		r, err = c.Ledger.retry(wctx, prev, in, true)
+		cancel()
+		fresh = err == nil
+		if errors.Is(err, ErrKnownKey) {
+			err = nil
+		}
 	}
 	var dup *DuplicateError
 	if errors.As(err, &dup) && (dup.Existing.IdempotencyKey == in.IdempotencyKey ||
@@ -349,46 +374,47 @@ func (c *Caller) Do(ctx context.Context, in Intent, req *http.Request) (*Result,
 		closeBody(req)
 		return nil, err
 	}
-	if r.State != statemachine.Planned {
-		closeBody(req)
-		return c.replay(ctx, r)
-	}
-	if err := ctx.Err(); err != nil {
-		closeBody(req)
-		return &Result{Receipt: r}, fmt.Errorf("ledger: receipt %d not submitted, nothing sent: %w", r.ID, err)
-	}
-
-	// The send deadline starts before the submit is issued: the database
-	// stamps submitted_at later than this, so t0+delay is never later
-	// than the receipt's SendDeadline.
-	t0 := time.Now()
-	wctx, cancel := c.writeContext(ctx)
-	sub, err := c.Ledger.Submit(wctx, r)
-	cancel()
-	var dupSub *DuplicateError
-	if errors.As(err, &dupSub) {
-		// Another receipt of this intent went out since ours was planned.
-		closeBody(req)
-		return &Result{Receipt: r}, fmt.Errorf("ledger: receipt %d not submitted, nothing sent: %w", r.ID, err)
-	}
-	if errors.Is(err, ErrRetryRefused) {
-		// A late answer to the receipt this one retries was recorded
-		// since the retry was planned: its effect exists or may exist.
-		closeBody(req)
-		return &Result{Receipt: r}, fmt.Errorf("ledger: receipt %d (a retry of receipt %d) not submitted, nothing sent, and no retry will be sent: "+
-			"the receipt it retries received a late answer after it was settled: %w", r.ID, r.RetryOf, err)
-	}
-	if errors.Is(err, ErrStateConflict) {
-		// Another call with the same key submitted it first: it is in flight there.
-		closeBody(req)
-		if cur, gerr := c.Ledger.Get(ctx, r.ID); gerr == nil {
-			return c.replay(ctx, cur)
+	sub := r
+	if !fresh {
+		if r.State != statemachine.Planned {
+			closeBody(req)
+			return c.replay(ctx, r)
 		}
-		return &Result{Receipt: r}, err
-	}
-	if err != nil {
-		closeBody(req)
-		return &Result{Receipt: r}, fmt.Errorf("ledger: receipt %d: submit failed, nothing sent: %w", r.ID, err)
+		// Planned by an earlier call that stopped before its submit: the
+		// move planned -> submitted on its own.
+		if err := ctx.Err(); err != nil {
+			closeBody(req)
+			return &Result{Receipt: r}, fmt.Errorf("ledger: receipt %d not submitted, nothing sent: %w", r.ID, err)
+		}
+		t0 = time.Now()
+		wctx, cancel = c.writeContext(ctx)
+		sub, err = c.Ledger.Submit(wctx, r)
+		cancel()
+		var dupSub *DuplicateError
+		if errors.As(err, &dupSub) {
+			// Another receipt of this intent went out since ours was planned.
+			closeBody(req)
+			return &Result{Receipt: r}, fmt.Errorf("ledger: receipt %d not submitted, nothing sent: %w", r.ID, err)
+		}
+		if errors.Is(err, ErrRetryRefused) {
+			// A late answer to the receipt this one retries was recorded
+			// since the retry was planned: its effect exists or may exist.
+			closeBody(req)
+			return &Result{Receipt: r}, fmt.Errorf("ledger: receipt %d (a retry of receipt %d) not submitted, nothing sent, and no retry will be sent: "+
+				"the receipt it retries received a late answer after it was settled: %w", r.ID, r.RetryOf, err)
+		}
+		if errors.Is(err, ErrStateConflict) {
+			// Another call with the same key submitted it first: it is in flight there.
+			closeBody(req)
+			if cur, gerr := c.Ledger.Get(ctx, r.ID); gerr == nil {
+				return c.replay(ctx, cur)
+			}
+			return &Result{Receipt: r}, err
+		}
+		if err != nil {
+			closeBody(req)
+			return &Result{Receipt: r}, fmt.Errorf("ledger: receipt %d: submit failed, nothing sent: %w", r.ID, err)
+		}
 	}
 
 	delay := sub.MaxSendDelay

@@ -313,7 +313,30 @@ func (c *Client) Plan(ctx context.Context, in Intent) (*Receipt, error) {
 	if err != nil {
 		return nil, err
 	}
-	return c.plan(ctx, in, fp, 0)
+	return c.plan(ctx, in, fp, 0, false)
+}
+
+// PlanAndSubmit records a new intent planned and submitted in one
+// transaction: both history events, one commit, the same durable record
+// before the first byte as Plan then Submit (Caller.Do takes this path).
+// Call it just before the request is sent: its bytes must be written by
+// the returned receipt's SendDeadline or not at all. It refuses what Plan
+// refuses, and what Submit would: a *DuplicateError when the intent is
+// unresolved in another receipt, and nothing is recorded. When the key
+// already names a receipt, nothing is submitted: it returns that receipt
+// as it is with ErrKnownKey, and the caller carries on from its state.
+func (c *Client) PlanAndSubmit(ctx context.Context, in Intent) (*Receipt, error) {
+	if err := checkIntent(in); err != nil {
+		return nil, err
+	}
+	if err := checkFirstKey(in.IdempotencyKey); err != nil {
+		return nil, err
+	}
+	fp, err := intentFingerprint(in, c.secretKey)
+	if err != nil {
+		return nil, err
+	}
+	return c.plan(ctx, in, fp, 0, true)
 }
 
 // checkIntent refuses an intent with a missing field or a send deadline out
@@ -409,8 +432,9 @@ func intentFingerprint(in Intent, key fingerprint.Option) (fingerprint.Result, e
 	return fp, nil
 }
 
-// plan records a checked intent with its fingerprint fp.
-func (c *Client) plan(ctx context.Context, in Intent, fp fingerprint.Result, retryOf int64) (*Receipt, error) {
+// plan records a checked intent with its fingerprint fp, submitted too
+// when submit is set (see PlanAndSubmit).
+func (c *Client) plan(ctx context.Context, in Intent, fp fingerprint.Result, retryOf int64, submit bool) (*Receipt, error) {
 	var retry *int64
 	if retryOf != 0 {
 		retry = &retryOf
@@ -418,11 +442,19 @@ func (c *Client) plan(ctx context.Context, in Intent, fp fingerprint.Result, ret
 	row := c.pool.QueryRow(ctx, `SELECT `+receiptColumns+` FROM reconciler.plan(
 		idempotency_key => $1, operation => $2, dependency => $3, method => $4, target => $5,
 		fingerprint => $6, intent => $7, actor => $8, allow_duplicate => $9, retry_of => $10,
-		pre_image => $11, max_send_delay => $12)`,
+		pre_image => $11, max_send_delay => $12, submit => $13)`,
 		in.IdempotencyKey, in.Operation, in.Dependency, strings.ToUpper(in.Method), in.Target,
 		fp.Fingerprint, fp.Intent, string(c.actor), in.AllowDuplicate, retry, preImage(in.PreImage),
-		sendDelay(in))
+		sendDelay(in), submit)
 	r, err := scanReceipt(row)
+	if code, pe := pgCode(err); code == codeKnownKey {
+		// Not a failure: the key's receipt, for the caller to carry on from.
+		id, _ := strconv.ParseInt(pe.Detail, 10, 64)
+		if r, err = c.Get(ctx, id); err != nil {
+			return nil, fmt.Errorf("ledger: plan %s: %w (and reading receipt %d: %w)", in.IdempotencyKey, ErrKnownKey, id, err)
+		}
+		return r, fmt.Errorf("ledger: plan %s: %w", in.IdempotencyKey, ErrKnownKey)
+	}
 	if err != nil {
 		return nil, c.planError(ctx, in.IdempotencyKey, err)
 	}
@@ -622,6 +654,12 @@ func (c *Client) RecordLateOutcome(ctx context.Context, id int64, outcome Outcom
 // payload never takes the step's next key: Retry with the right one still
 // works. in.MaxSendDelay applies to the new attempt.
 func (c *Client) Retry(ctx context.Context, prev *Receipt, in Intent) (*Receipt, error) {
+	return c.retry(ctx, prev, in, false)
+}
+
+// retry plans attempt n+1 of prev, submitted too when submit is set (see
+// PlanAndSubmit: a known retry key returns its receipt with ErrKnownKey).
+func (c *Client) retry(ctx context.Context, prev *Receipt, in Intent, submit bool) (*Receipt, error) {
 	if prev.State != statemachine.SafeToRetry && !prev.Retryable {
 		return nil, fmt.Errorf("ledger: retry receipt %d: %w: it is %s, neither safe_to_retry nor a retryable rejection",
 			prev.ID, ErrStateConflict, prev.State)
@@ -639,7 +677,7 @@ func (c *Client) Retry(ctx context.Context, prev *Receipt, in Intent) (*Receipt,
 		return nil, fmt.Errorf("ledger: retry receipt %d: %w: the payload's fingerprint %s differs from %s",
 			prev.ID, ErrInvalidIntent, fp.Fingerprint, prev.Fingerprint)
 	}
-	r, err := c.plan(ctx, in, fp, prev.ID)
+	r, err := c.plan(ctx, in, fp, prev.ID, submit)
 	if errors.Is(err, ErrStateConflict) {
 		// reconciler.retry_error refused it (RL002).
 		return nil, fmt.Errorf("ledger: retry receipt %d: %w, nothing sent: %w", prev.ID, ErrRetryRefused, err)
