@@ -248,11 +248,15 @@ func (e *OutcomeError) Unwrap() []error {
 
 // Do makes the call req means, as intent in, through the ledger:
 //
-//  1. Plan records the intent (an existing key returns its receipt);
-//  2. Submit records that the request is about to leave;
-//  3. only then is req sent, under ctx (which replaces req's context),
+//  1. PlanAndSubmit records the intent and that the request is about to
+//     leave, in one statement and one commit (both history events); for
+//     a key the ledger already knows it records nothing, and Do carries on
+//     from that receipt: a planned one (an earlier call stopped before its
+//     submit) is submitted on its own, one past planned is replayed, one
+//     that may be retried is followed by its next attempt;
+//  2. only then is req sent, under ctx (which replaces req's context),
 //     within the receipt's send deadline or not at all (below);
-//  4. the receipt is settled from the exchange: Classify, then
+//  3. the receipt is settled from the exchange: Classify, then
 //     DefaultClassify. Settling uses a context detached from ctx, so a
 //     call whose ctx expired is still recorded.
 //
@@ -300,9 +304,11 @@ func (e *OutcomeError) Unwrap() []error {
 // when it settled otherwise (Result holds the receipt and any response);
 // and otherwise an error from planning or submitting (DuplicateError,
 // ErrKeyConflict, ErrInvalidIntent, ErrInvalidKey, ...) with nothing sent.
-// A DuplicateError from the submit means another receipt of the same
-// intent was submitted since this one was planned: the receipt stays
-// planned (Result.Receipt) and nothing is sent. Do always closes req.Body.
+// A DuplicateError means the intent is unresolved in another receipt:
+// nothing was recorded for a new key, and nothing is sent. For a key
+// planned earlier it means another receipt of the same intent was
+// submitted since: the receipt stays planned (Result.Receipt). Do always
+// closes req.Body.
 //
 // When the response arrives after someone else (the reconciler's orphan
 // sweep) moved the submitted receipt on to outcome_unknown, reconciling or

@@ -336,7 +336,27 @@ func (c *Client) PlanAndSubmit(ctx context.Context, in Intent) (*Receipt, error)
 	if err != nil {
 		return nil, err
 	}
-	return c.plan(ctx, in, fp, 0, true)
+	// The common case, a new key, is one INSERT of the receipt already
+	// submitted: the triggers make every check reconciler.plan would (the
+	// key's form and uniqueness, the duplicate guard under the intent's
+	// lock) and write both events, without the function's extra lookups.
+	// Any refusal is asked again of reconciler.plan, whose answer tells a
+	// known key (ErrKnownKey) from a duplicate or a conflicting reuse.
+	r, err := scanReceipt(c.pool.QueryRow(ctx, `INSERT INTO reconciler.receipts
+		(idempotency_key, operation, dependency, method, target, fingerprint, intent, state_actor,
+		 pre_image, max_send_delay, guarded, state)
+		VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, 'submitted')
+		RETURNING `+receiptColumns,
+		in.IdempotencyKey, in.Operation, in.Dependency, strings.ToUpper(in.Method), in.Target,
+		fp.Fingerprint, fp.Intent, string(c.actor), preImage(in.PreImage), sendDelay(in), !in.AllowDuplicate))
+	var pe *pgconn.PgError
+	if errors.As(err, &pe) {
+		return c.plan(ctx, in, fp, 0, true)
+	}
+	if err != nil {
+		return nil, fmt.Errorf("ledger: plan %s: %w", in.IdempotencyKey, err)
+	}
+	return r, nil
 }
 
 // checkIntent refuses an intent with a missing field or a send deadline out
