@@ -82,8 +82,6 @@ type Gateway struct {
 	metrics *Metrics
 	clients map[*Route]*http.Client
 	mux     *http.ServeMux
-	// inflight counts requests being handled, for a graceful stop.
-	inflight atomic.Int64
 }
 
 // New returns a gateway for cfg that records receipts through client (its
@@ -116,8 +114,6 @@ func New(client *ledger.Client, cfg *Config, opts Options) *Gateway {
 // ServeHTTP serves the gateway's own endpoints and proxies everything else
 // through the routes.
 func (g *Gateway) ServeHTTP(w http.ResponseWriter, r *http.Request) {
-	g.inflight.Add(1)
-	defer g.inflight.Add(-1)
 	p := r.URL.Path
 	if p == "/openapi.json" || p == "/healthz" || strings.HasPrefix(p, "/problems/") || strings.HasPrefix(p, "/receipts/") {
 		g.mux.ServeHTTP(w, r)
@@ -126,11 +122,15 @@ func (g *Gateway) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	g.proxy(w, r)
 }
 
-// Run serves on l until ctx ends, then stops accepting, lets requests in
-// flight finish within grace, and returns. It also deletes expired replay
-// responses every interval.
-func (g *Gateway) Run(ctx context.Context, l net.Listener, grace time.Duration) error {
-	srv := &http.Server{Handler: g, ReadHeaderTimeout: 10 * time.Second,
+// Run serves h on l until ctx ends, then stops accepting, lets requests in
+// flight finish within grace, and returns. h is the gateway itself when nil;
+// pass a handler around it to add endpoints (the CLI adds /metrics). Run
+// also deletes expired replay responses, a tenth of the retention apart.
+func (g *Gateway) Run(ctx context.Context, l net.Listener, h http.Handler, grace time.Duration) error {
+	if h == nil {
+		h = g
+	}
+	srv := &http.Server{Handler: h, ReadHeaderTimeout: 10 * time.Second,
 		BaseContext: func(net.Listener) context.Context { return context.WithoutCancel(ctx) }}
 	errc := make(chan error, 1)
 	go func() { errc <- srv.Serve(l) }()
@@ -148,7 +148,7 @@ func (g *Gateway) Run(ctx context.Context, l net.Listener, grace time.Duration) 
 	return nil
 }
 
-// expireLoop deletes expired replay responses, in batches, every tenth of
+// expireLoop deletes expired replay responses in batches, every tenth of
 // the retention (between a minute and an hour).
 func (g *Gateway) expireLoop(ctx context.Context) {
 	every := min(max(g.cfg.Retention/10, time.Minute), time.Hour)

@@ -81,6 +81,7 @@ func newApp(stdin io.Reader, stdout, stderr io.Writer) *cli.App {
 			fingerprintCommand(),
 			demoCommand(),
 			runCommand(),
+			gatewayCommand(),
 			statsCommand(),
 			benchCommand(),
 			adaptersCommand(),
