@@ -653,3 +653,41 @@ func packagingFiles(t *testing.T) (yamlFiles, jsonFiles []string) {
 	}
 	return yamlFiles, jsonFiles
 }
+
+// The reader of PromQL must find every metric, and only metrics: a label
+// or function taken for a metric would fail TestPackaging for nothing, and
+// a metric it skipped would go unchecked.
+func TestPromSelectors(t *testing.T) {
+	for expr, want := range map[string]string{
+		`max by (dependency) (reconciler_breaker_state{state="open"}) == 1`:                       `reconciler_breaker_state{state="open"}`,
+		`sum(rate(a_total[$__rate_interval])) by (x, y) > 0.5 and on () b offset 1h`:              `a_total b`,
+		`histogram_quantile(0.99, sum without (i) (rate(h_bucket{le=~".+", a!="x,}"}[5m])))`:      `h_bucket{le=~".+",a!="x,}"}`,
+		`abs(c) > 6 * 3600 unless ignoring (j) group_left (k) d{e='f\'g'}`:                        `c d{e="f'g"}`,
+		"process_resident_memory_bytes and on (instance, job) reconciler_claimed_total":           `process_resident_memory_bytes reconciler_claimed_total`,
+		"max(reconciler_backlog{state=\"manual_review\"})\n  > max(reconciler_backlog offset 1h)": `reconciler_backlog{state="manual_review"} reconciler_backlog`,
+	} {
+		sels, err := promSelectors(expr)
+		if err != nil {
+			t.Errorf("%s: %v", expr, err)
+			continue
+		}
+		var got []string
+		for _, s := range sels {
+			var ms []string
+			for _, m := range s.matchers {
+				ms = append(ms, fmt.Sprintf("%s%s%q", m.label, m.op, m.value))
+			}
+			if len(ms) > 0 {
+				got = append(got, s.name+"{"+strings.Join(ms, ",")+"}")
+			} else {
+				got = append(got, s.name)
+			}
+		}
+		if strings.Join(got, " ") != want {
+			t.Errorf("%s:\n got %s\nwant %s", expr, strings.Join(got, " "), want)
+		}
+	}
+	if _, err := promSelectors(`sum({__name__="x"})`); err == nil {
+		t.Error("a selector without a metric name was accepted")
+	}
+}
