@@ -127,6 +127,15 @@ var controlAssumed = controlVerdict{ok: true, note: "assumed passed (no control 
 // rules of SPEC §5 are tested without a database.
 type decider struct {
 	int63n func(int64) int64
+	// sched picks the next check; nil means PolicyJitter over int63n.
+	sched Schedule
+}
+
+func (d decider) schedule() Schedule {
+	if d.sched == nil {
+		return PolicyJitter{Int63n: d.int63n}
+	}
+	return d.sched
 }
 
 // manual settles c to manual_review with reason, without a check.
@@ -317,8 +326,10 @@ func (d decider) decide(readAt, answeredAt time.Time, c Claimed, b *readback.Bin
 			ev.Bound = bound
 			return settle(statemachine.ManualReview, ReasonBoundReached)
 		}
-		j := FullJitter{Base: p.BackoffBase, Cap: p.BackoffCap, Int63n: d.int63n}
-		next := later(answeredAt, readAt).Add(max(j.Delay(max(counted-1, 0)), minWait))
+		from := later(answeredAt, readAt)
+		wait := d.schedule().Wait(Waiting{Dependency: c.Dependency, Policy: p, SubmittedAt: c.SubmittedAt,
+			ReadAt: readAt, AnsweredAt: from, Attempt: max(counted-1, 0), AbsenceAt: safeAt})
+		next := from.Add(max(wait, minWait))
 		// The last check allowed should be one that can conclude: not
 		// before the absence window, and not after the deadline.
 		if counted == p.MaxChecks-1 && next.Before(safeAt) {
@@ -416,6 +427,9 @@ func (d decider) decide(readAt, answeredAt time.Time, c Claimed, b *readback.Bin
 	}
 	switch res.Verdict {
 	case readback.VerdictPresent:
+		if o, ok := d.sched.(Observer); ok {
+			o.ObservePresent(c.Dependency, readAt.Sub(c.SubmittedAt))
+		}
 		if len(res.ExternalIDs) > 0 {
 			out.ExternalID = res.ExternalIDs[0]
 		}
