@@ -85,11 +85,10 @@ type Schedule interface {
 }
 
 // Observer is a Schedule that learns from what reads find. The pool calls
-// ObservePresent for every read of a create or update that found the
-// effect present, with the time from submission to the moment the read
-// began: an upper bound of that effect's visibility lag.
+// Observe once for every read of a create or update that answered present
+// or absent.
 type Observer interface {
-	ObservePresent(dependency string, sinceSubmission time.Duration)
+	Observe(o Observation)
 }
 
 // Waiting describes the receipt being rescheduled. Every time is on the
@@ -147,103 +146,165 @@ type Fixed struct {
 // Wait implements Schedule.
 func (f Fixed) Wait(Waiting) time.Duration { return f.Interval }
 
-// The learned schedule's constants. The estimate is a low quantile of the
-// times at which recent reads first found an effect: each such time is an
-// upper bound of that receipt's lag, so a high quantile of them would only
-// ever grow (every read is aimed past the estimate, and finds the effect
-// later still); the 10th percentile settles just above a steady lag, while
-// one early outlier among ten samples does not move it.
+// The learned schedule's constants.
 const (
-	lagSamples    = 64 // recent first-present times kept per dependency
-	lagMinSamples = 4  // below this, the dependency's declared schedule applies
-	lagQuantile   = 0.10
-	// The aimed check is drawn from a span of estimate/lagSpanDiv that
-	// starts a quarter of the span before the estimate: reads spread over
-	// the span instead of arriving at once, and the few landing just
-	// before the estimate are what lets it come down when the lag does.
+	// lagMinSamples first-present times of a dependency seed its estimate
+	// (their lagSeedQuantile); before that, the declared schedule applies.
+	lagMinSamples   = 4
+	lagSeedQuantile = 0.10
+	// lagHitRate is the share of aimed reads meant to find the effect: the
+	// estimate moves down by lagStep·(1−lagHitRate) of itself after a
+	// hit and up by lagStep·lagHitRate after a miss, which balances when
+	// one aimed read in ten comes too early (stochastic approximation of a
+	// quantile). A read comes too early for many reasons besides the lag
+	// (the pool's claim latency, the call that records the effect after
+	// submission), and all of them are in what this calibrates.
+	lagHitRate = 0.9
+	lagStep    = 0.02
+	// The aimed check is drawn from [L, L + L/lagSpanDiv): reads of a
+	// batch submitted together spread over the span instead of arriving
+	// at once.
 	lagSpanDiv = 4
+	// lagMaxMisses bounds the receipts remembered as missed.
+	lagMaxMisses = 100000
+	// lagMax bounds the estimate, so that nothing overflows.
+	lagMax = 24 * time.Hour
 )
 
 // LearnedLag is the daemon's default schedule. For each dependency it
-// learns the visibility lag (how long after submission the effect of a
-// call becomes visible to reads) from the times at which its own reads
-// first found effects present, and aims a receipt's next check just past
-// that lag instead of backing off blindly:
+// learns the visibility lag L (how long after submission the effect of a
+// call becomes visible to reads) from its own reads, and aims a receipt's
+// next check just past it instead of backing off blindly:
 //
-//   - before lagMinSamples effects of the dependency were seen (a new
+//   - until lagMinSamples effects of the dependency were found (a new
 //     dependency, a restarted daemon), PolicyJitter: full jitter over the
-//     binding's base and cap;
-//   - while the receipt is younger than the learned lag L, the next check
-//     is drawn from [L − L/16, L + 3L/16), measured from submission: full
-//     jitter over a span of L/4, so a batch submitted together is not read
-//     again at one instant;
+//     binding's base and cap; the 10th percentile of those first-present
+//     times seeds L;
+//   - while the receipt is younger than L, the next check is drawn from
+//     [L, L + L/4), measured from submission: full jitter over a span of
+//     L/4, so a batch submitted together is not read again at one instant;
 //   - once the receipt is older (its aimed read found nothing: its effect
 //     is late, or never happened), full jitter again, rand(0, c) with c the
 //     time already spent past L (at least L/4, at most the binding's cap):
-//     the ceiling doubles as fast as plain backoff would, from the lag on.
+//     the ceiling doubles as fast as plain backoff would, from L on.
 //
-// The lag is bounded by the absence window (send deadline, request
+// L then follows what the aimed reads find: it moves down a little after
+// each effect found, and up more after each effect found only after a read
+// at or past L had missed it, so that about one aimed read in ten misses.
+// A receipt that is never found present moves nothing: calls that never
+// took effect cannot drag L out, nor can its later reads.
+//
+// L is bounded by the receipt's absence window (send deadline, request
 // lifetime and the declared consistency window): an effect that happened
 // is visible by then, so no check is aimed later. Soundness does not rest
 // on the estimate (SPEC §5a): a wrong one only makes checks early (an
 // absence before the window settles nothing) or late (bounded as above).
-// Absent receipts teach it nothing, so calls that never took effect cannot
-// drag it out.
 type LearnedLag struct {
 	// Int63n draws the jitter (nil: math/rand/v2).
 	Int63n func(n int64) int64
 
 	mu   sync.Mutex
-	deps map[string]*lagRing
+	deps map[string]*lagState
+	// missed holds the receipts a read at or past L found absent, until
+	// their absence window: if one is found later, L was too short.
+	missed map[int64]missed
 }
 
-// lagRing holds a dependency's recent first-present times.
-type lagRing struct {
-	at   [lagSamples]time.Duration
-	n    int // samples held, at most lagSamples
-	next int // where the next sample goes
+// missed is a read at or past the learned lag that found nothing.
+type missed struct {
+	at    time.Duration // since submission
+	until time.Time     // the receipt's absence window
 }
 
-func (r *lagRing) add(d time.Duration) {
-	r.at[r.next] = d
-	r.next = (r.next + 1) % lagSamples
-	r.n = min(r.n+1, lagSamples)
+// lagState is what is known of one dependency's lag.
+type lagState struct {
+	seed []time.Duration // first-present times, until the estimate exists
+	lag  time.Duration   // the estimate; 0 until seeded
 }
 
-func (r *lagRing) quantile(q float64) time.Duration {
-	s := slices.Clone(r.at[:r.n])
-	slices.Sort(s)
-	return s[int(q*float64(len(s)-1))]
+// Observation is what one read of a create or update found.
+type Observation struct {
+	Receipt    int64
+	Dependency string
+	// SinceSubmission is the time from submission to the moment the read
+	// began.
+	SinceSubmission time.Duration
+	// Present is set when the read found the effect; otherwise it found
+	// it absent.
+	Present bool
+	// AbsenceAt is when an absence of the receipt becomes conclusive.
+	AbsenceAt time.Time
 }
 
 // Lag returns the visibility lag learned for dependency, and false while
-// too few effects of it have been seen.
+// too few effects of it have been found.
 func (s *LearnedLag) Lag(dependency string) (time.Duration, bool) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	r := s.deps[dependency]
-	if r == nil || r.n < lagMinSamples {
-		return 0, false
+	if st := s.deps[dependency]; st != nil && st.lag > 0 {
+		return st.lag, true
 	}
-	return r.quantile(lagQuantile), true
+	return 0, false
 }
 
-// ObservePresent implements Observer.
-func (s *LearnedLag) ObservePresent(dependency string, sinceSubmission time.Duration) {
-	if sinceSubmission < 0 {
+// Observe implements Observer.
+func (s *LearnedLag) Observe(o Observation) {
+	if o.SinceSubmission < 0 {
 		return
 	}
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	if s.deps == nil {
-		s.deps = map[string]*lagRing{}
+		s.deps, s.missed = map[string]*lagState{}, map[int64]missed{}
 	}
-	r := s.deps[dependency]
-	if r == nil {
-		r = &lagRing{}
-		s.deps[dependency] = r
+	st := s.deps[o.Dependency]
+	if st == nil {
+		st = &lagState{}
+		s.deps[o.Dependency] = st
 	}
-	r.add(sinceSubmission)
+	miss, wasMissed := s.missed[o.Receipt]
+	switch {
+	case st.lag == 0:
+		if o.Present {
+			st.seed = append(st.seed, o.SinceSubmission)
+			if len(st.seed) >= lagMinSamples {
+				slices.Sort(st.seed)
+				st.lag = max(st.seed[int(lagSeedQuantile*float64(len(st.seed)-1))], time.Millisecond)
+				st.seed = nil
+			}
+		}
+	case !o.Present:
+		if o.SinceSubmission >= st.lag && !wasMissed {
+			s.rememberMiss(o.Receipt, missed{at: o.SinceSubmission, until: o.AbsenceAt})
+		}
+	case wasMissed:
+		delete(s.missed, o.Receipt)
+		// This effect became visible between the read that missed it and
+		// this one: never past the middle of that, or a batch missed
+		// together would compound its steps far beyond its lag.
+		mid := miss.at + (o.SinceSubmission-miss.at)/2
+		st.lag = min(st.lag+time.Duration(float64(st.lag)*lagStep*lagHitRate), max(st.lag, mid), lagMax)
+	case o.SinceSubmission < st.lag+st.lag/lagSpanDiv:
+		st.lag = max(st.lag-time.Duration(float64(st.lag)*lagStep*(1-lagHitRate)), time.Millisecond)
+	}
+}
+
+// rememberMiss records the miss m of receipt id. When the memory is full
+// it first forgets the receipts whose absence window comes before m's
+// (settled by then, or never to be found); if it is still full, the miss
+// is not remembered.
+func (s *LearnedLag) rememberMiss(id int64, m missed) {
+	if len(s.missed) >= lagMaxMisses {
+		for k, old := range s.missed {
+			if old.until.Before(m.until) {
+				delete(s.missed, k)
+			}
+		}
+		if len(s.missed) >= lagMaxMisses {
+			return
+		}
+	}
+	s.missed[id] = m
 }
 
 // Wait implements Schedule.
@@ -257,8 +318,8 @@ func (s *LearnedLag) Wait(w Waiting) time.Duration {
 	}
 	span := lag / lagSpanDiv
 	visible := w.SubmittedAt.Add(lag)
-	if start := visible.Add(-span / 4); w.AnsweredAt.Before(start) {
-		return start.Sub(w.AnsweredAt) + draw(s.Int63n, span)
+	if w.AnsweredAt.Before(visible) {
+		return visible.Sub(w.AnsweredAt) + draw(s.Int63n, span)
 	}
 	c := max(span, w.AnsweredAt.Sub(visible))
 	if w.Policy.BackoffCap > 0 {

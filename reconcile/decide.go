@@ -131,6 +131,17 @@ type decider struct {
 	sched Schedule
 }
 
+// observe tells a learning schedule what a read of c that began at readAt
+// found. It is called once per read: a decision made twice (first with the
+// positive control assumed) settles the first time, so only the second
+// observes.
+func (d decider) observe(c Claimed, readAt, absenceAt time.Time, present bool) {
+	if o, ok := d.sched.(Observer); ok {
+		o.Observe(Observation{Receipt: c.ID, Dependency: c.Dependency,
+			SinceSubmission: readAt.Sub(c.SubmittedAt), Present: present, AbsenceAt: absenceAt})
+	}
+}
+
 func (d decider) schedule() Schedule {
 	if d.sched == nil {
 		return PolicyJitter{Int63n: d.int63n}
@@ -427,9 +438,7 @@ func (d decider) decide(readAt, answeredAt time.Time, c Claimed, b *readback.Bin
 	}
 	switch res.Verdict {
 	case readback.VerdictPresent:
-		if o, ok := d.sched.(Observer); ok {
-			o.ObservePresent(c.Dependency, readAt.Sub(c.SubmittedAt))
-		}
+		d.observe(c, readAt, safeAt, true)
 		if len(res.ExternalIDs) > 0 {
 			out.ExternalID = res.ExternalIDs[0]
 		}
@@ -444,6 +453,7 @@ func (d decider) decide(readAt, answeredAt time.Time, c Claimed, b *readback.Bin
 		if conclusiveAbsence() {
 			return settle(statemachine.SafeToRetry, ReasonAbsentAfterWindow)
 		}
+		d.observe(c, readAt, safeAt, false)
 	}
 	return again(0)
 }
