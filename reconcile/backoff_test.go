@@ -88,7 +88,7 @@ func TestLearnedLagEstimate(t *testing.T) {
 	}{
 		{"nothing seen", nil, 0},
 		{"too few effects", seed[:3], 0},
-		{"absences do not seed", append([]Observation{absent(9, time.Second), absent(9, 2 * time.Second)}, seed[:3]...), 0},
+		{"absences do not seed", append([]Observation{absent(9, time.Second), absent(9, 2*time.Second)}, seed[:3]...), 0},
 		{"negative times are ignored", []Observation{present(1, -time.Second), present(2, -time.Second),
 			present(3, -time.Second), present(4, -time.Second)}, 0},
 		{"seeded", seed, lag},
