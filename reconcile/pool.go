@@ -54,6 +54,9 @@ type Config struct {
 	WallClock func() time.Time
 	// Int63n draws the jitter (default math/rand/v2).
 	Int63n func(n int64) int64
+	// Schedule picks each unsettled receipt's next check (default a
+	// LearnedLag drawing from Int63n).
+	Schedule Schedule
 	// Logger receives JSON-ready structured logs (default: discard).
 	Logger *slog.Logger
 	// Metrics, if set, is updated as the pool works.
@@ -132,6 +135,9 @@ func (c Config) withDefaults() Config {
 	}
 	if c.Registry == nil {
 		c.Registry = readback.NewRegistry()
+	}
+	if c.Schedule == nil {
+		c.Schedule = &LearnedLag{Int63n: c.Int63n}
 	}
 	if c.Workers == 0 {
 		c.Workers = 32
@@ -231,7 +237,7 @@ func New(db *pgxpool.Pool, cfg Config) (*Pool, error) {
 	}
 	return &Pool{
 		cfg: cfg, db: db, store: store,
-		dec:   decider{int63n: cfg.Int63n},
+		dec:   decider{int63n: cfg.Int63n, sched: cfg.Schedule},
 		log:   cfg.Logger.With("instance", cfg.Instance),
 		m:     cfg.Metrics,
 		clock: clock,
