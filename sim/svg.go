@@ -58,7 +58,7 @@ func (r *Report) WriteSVG(w io.Writer) error {
 		fmt.Fprintf(&b, `<text x="%d" y="%d">%d</text>`+"\n", dupX+dupW+6, y+16, res.Duplicates)
 	}
 	fmt.Fprintf(&b, `<text x="12" y="%d" fill="#555" font-size="12">%s</text>`+"\n", height-18,
-		esc("strict success: the right answer and exactly one draft and one published record, no duplicate, no orphan. Bold rows: through the ledger."))
+		esc("strict success: the right answer, exactly one draft and one post, no duplicate, no orphan. Bold: through the ledger."))
 	b.WriteString("</svg>\n")
 	_, err := io.WriteString(w, b.String())
 	return err
