@@ -53,9 +53,9 @@ func (a *agent) runLedger(ctx context.Context, task int) (res taskResult) {
 		answer += v
 	}
 	res.answer = answer
-	draft, err := a.ledgerWrite(ctx, task, toolDraft, writeBody{Task: task, Marker: marker(task, toolDraft), Answer: answer})
+	draft, err := a.ledgerWrite(ctx, jitter, task, toolDraft, writeBody{Task: task, Marker: marker(task, toolDraft), Answer: answer})
 	if err == nil {
-		_, err = a.ledgerWrite(ctx, task, toolPost, writeBody{Task: task, Marker: marker(task, toolPost), Answer: answer, DraftID: draft})
+		_, err = a.ledgerWrite(ctx, jitter, task, toolPost, writeBody{Task: task, Marker: marker(task, toolPost), Answer: answer, DraftID: draft})
 	}
 	if err != nil {
 		res.reason = err.Error()
@@ -70,8 +70,12 @@ func (a *agent) runLedger(ctx context.Context, task int) (res taskResult) {
 var errManualReview = errors.New("held for manual review")
 
 // ledgerWrite makes one write step through Caller.Do under the step's
-// harness-owned key, and returns the record's id.
-func (a *agent) ledgerWrite(ctx context.Context, task int, tool string, in writeBody) (string, error) {
+// harness-owned key, and returns the record's id. Every resend follows a
+// proof that the previous send took no effect (nothing was sent, or the
+// reconciler proved it absent), so no attempt count bounds it: only the
+// task's deadline does. A cap would only turn a draft into an orphan when
+// its publish runs out of attempts.
+func (a *agent) ledgerWrite(ctx context.Context, jitter *rand.Rand, task int, tool string, in writeBody) (string, error) {
 	path := "/cms/drafts"
 	if tool == toolPost {
 		path = "/cms/posts"
@@ -79,22 +83,26 @@ func (a *agent) ledgerWrite(ctx context.Context, task int, tool string, in write
 	payload, _ := json.Marshal(in)
 	intent := ledger.Intent{IdempotencyKey: in.Marker, Operation: tool, Dependency: dependency,
 		Method: http.MethodPost, Target: path, Payload: payload, MaxSendDelay: maxSendDelay}
-	var last error
-	for sends := 0; sends < a.attempts; {
+	for n := 0; ; n++ {
+		if n > 0 {
+			t := time.NewTimer(time.Duration(jitter.Int64N(int64(min(backoffCap, backoffBase<<min(n-1, 8))) + 1)))
+			select {
+			case <-ctx.Done():
+				t.Stop()
+				return "", fmt.Errorf("%s: %d sends, each proven to have taken no effect, by the task's deadline", tool, n)
+			case <-t.C:
+			}
+		}
 		req, err := a.request(ctx, task, http.MethodPost, path, payload)
 		if err != nil {
 			return "", err
 		}
 		res, err := a.caller.Do(ctx, intent, req)
-		if res != nil && !res.Replayed {
-			sends++
-		}
 		switch {
 		case err == nil:
 			return res.Receipt.ExternalID, nil
 		case errors.Is(err, ledger.ErrNotSent), errors.Is(err, ledger.ErrRejected) && res.Receipt.Retryable:
-			last = err // nothing took effect: Do plans the next attempt
-			continue
+			continue // nothing took effect: Do plans the next attempt
 		case errors.Is(err, ledger.ErrOutcomeUnknown) && a.settle:
 			r, werr := a.waitSettled(ctx, res.Receipt.ID)
 			if werr != nil {
@@ -104,7 +112,6 @@ func (a *agent) ledgerWrite(ctx context.Context, task int, tool string, in write
 			case statemachine.Succeeded:
 				return r.ExternalID, nil
 			case statemachine.SafeToRetry:
-				last = fmt.Errorf("receipt %d proven absent", r.ID)
 				continue // absence proven: Do sends attempt n+1
 			default:
 				return "", fmt.Errorf("%s: receipt %d: %w", tool, r.ID, errManualReview)
@@ -113,7 +120,6 @@ func (a *agent) ledgerWrite(ctx context.Context, task int, tool string, in write
 			return "", fmt.Errorf("%s: %w", tool, err)
 		}
 	}
-	return "", fmt.Errorf("%s: %d sends, last: %w", tool, a.attempts, last)
 }
 
 // waitSettled waits until the reconciler has settled receipt id, reading

@@ -57,7 +57,7 @@ var descriptions = map[string]string{
 	Compensation:       "baseline; a failed task deletes its drafts (human-written compensator, 3 tries)",
 	AllPatterns:        "all of the above together",
 	Ledger:             "reads as retries with deadlines; writes through ledger.Caller, no reconciler: unknowns stay unknown",
-	LedgerReconciler:   "as ledger, with reconcile.Pool settling unknowns; agents resend only after safe_to_retry, through Caller.Do",
+	LedgerReconciler:   "as ledger, with reconcile.Pool settling unknowns; agents resend only after safe_to_retry (or not sent), through Caller.Do, until the task's deadline",
 }
 
 // ErrInvalidOptions means Options hold a value Run cannot use.
@@ -76,8 +76,9 @@ type Options struct {
 	// Concurrency is the number of tasks running at once (default 16).
 	Concurrency int
 	// Attempts bounds the attempts of one call for every strategy that
-	// retries, and the sends of one write step through the ledger
-	// (default 6).
+	// retries (default 6). Through the ledger it bounds the reads; a
+	// write is sent again after each proof that the last send took no
+	// effect, until the task's deadline.
 	Attempts int
 	// HangFor is how long a hanging call holds before its 504 (default
 	// 300 ms); deadlines cut it at 100 ms.
