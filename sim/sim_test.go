@@ -25,9 +25,9 @@ import (
 // duplicate nor an orphan in the API, while plain retries of the same
 // faults do duplicate writes (so the experiment can show what it fixes).
 func TestLedgerReconcilerLeavesNoDuplicateNorOrphan(t *testing.T) {
-	// Six runs at a time, each on at most MaxConns connections: the
+	// Ten runs at a time, each on at most testConns connections: the
 	// server may be shared with other test processes.
-	slots := make(chan struct{}, 6)
+	slots := make(chan struct{}, 10)
 	var mu sync.Mutex
 	retryDuplicates := 0
 	for _, p := range Profiles {
@@ -164,6 +164,8 @@ func TestOptionsRefused(t *testing.T) {
 	}
 }
 
+const testConns = 4
+
 // testDatabase gives each strategy a database cloned from the test
 // process's migrated template (pgtest), dropped when the test ends.
 func testDatabase(t *testing.T) func(context.Context, string) (*pgxpool.Pool, func(), error) {
@@ -172,7 +174,7 @@ func testDatabase(t *testing.T) func(context.Context, string) (*pgxpool.Pool, fu
 		if err != nil {
 			return nil, nil, err
 		}
-		cfg.MaxConns = MaxConns
+		cfg.MaxConns = testConns
 		db, err := pgxpool.NewWithConfig(ctx, cfg)
 		if err != nil {
 			return nil, nil, err
