@@ -65,10 +65,10 @@ type taskResult struct {
 	answer   int
 	answered bool // the agent gave an answer (the right one or not)
 	// unresolved: the agent ended with a write whose outcome it does not
-	// know; manualReview: a receipt of the task waits for a person.
-	unresolved, manualReview bool
-	reason                   string // why the task did not finish; "" when it did
-	latency                  time.Duration
+	// know (the article's strategies; the ledger's are read from it).
+	unresolved bool
+	reason     string // why the task did not finish; "" when it did
+	latency    time.Duration
 }
 
 // agent runs the tasks of one strategy against one API.

@@ -58,9 +58,9 @@ func (a *agent) runLedger(ctx context.Context, task int) (res taskResult) {
 		_, err = a.ledgerWrite(ctx, jitter, task, toolPost, writeBody{Task: task, Marker: marker(task, toolPost), Answer: answer, DraftID: draft})
 	}
 	if err != nil {
+		// Whether a receipt is left unsettled or held is read from the
+		// ledger itself at the end of the run (ledgerState).
 		res.reason = err.Error()
-		res.unresolved = errors.Is(err, ledger.ErrOutcomeUnknown)
-		res.manualReview = errors.Is(err, errManualReview)
 		return res
 	}
 	res.answered = true

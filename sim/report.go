@@ -92,7 +92,7 @@ func score(seed uint64, strategy string, results []taskResult, drafts, posts map
 		} else {
 			orphans = d
 		}
-		unresolved, manual := r.unresolved, r.manualReview
+		unresolved, manual := r.unresolved, false
 		if unsettled != nil {
 			unresolved, manual = unsettled[i] > 0, held[i] > 0
 		}
