@@ -80,6 +80,7 @@ func newApp(stdin io.Reader, stdout, stderr io.Writer) *cli.App {
 			migrateCommand(),
 			fingerprintCommand(),
 			demoCommand(),
+			simCommand(),
 			runCommand(),
 			gatewayCommand(),
 			statsCommand(),
