@@ -9,11 +9,13 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/receiptledger/reconciler/internal/pgtest"
 	"github.com/receiptledger/reconciler/readback"
 	"github.com/receiptledger/reconciler/reconcile"
+	"github.com/receiptledger/reconciler/statemachine"
 )
 
 // slowAdapter answers present after delay (a dependency's latency) and
@@ -143,6 +145,13 @@ func TestInstancesShareABacklog(t *testing.T) {
 		WHERE receipt_id = ANY($1) AND to_state = 'succeeded'`, ids).Scan(&distinct); err != nil || distinct != n {
 		t.Fatalf("%d receipts settled (%v), want %d", distinct, err, n)
 	}
+	// Each check recorded once: by the recorder when it was made, not again
+	// by the settlement.
+	var checks int
+	if err := db.QueryRow(context.Background(), `SELECT count(*) FROM reconciler.readback_checks
+		WHERE receipt_id = ANY($1)`, ids).Scan(&checks); err != nil || checks != n {
+		t.Fatalf("%d check records (%v), want one per receipt (%d)", checks, err, n)
+	}
 	for i, in := range all {
 		got := byActor["reconciler:"+in.name]
 		t.Logf("instance %s: settled %d of %d, at most %d rows claimed and not yet started (bound %d), summary settled %d",
@@ -173,4 +182,145 @@ func counter(t testing.TB, reg *prometheus.Registry, name string) float64 {
 		}
 	}
 	return 0
+}
+
+// Issue 9, item 4: "reads made by a process that was killed before it
+// settled leave no readback_checks row". A check is recorded as soon as its
+// adapter answers, apart from the settlement: here the settlement cannot be
+// written (the receipt's row is locked), the check's record is there all
+// the same, and it stays after the pool is stopped without settling (its
+// writes cut off at the end of the grace period).
+func TestCheckRecordedBeforeSettlement(t *testing.T) {
+	ctx := context.Background()
+	url := pgtest.NewDatabase(t)
+	db := pgtest.Pool(t, url)
+	// The reconciler has connections of its own, so the test can cut them.
+	rdb := pgtest.Pool(t, url)
+	id := seed(t, db, 1, "things.create", "held-api", "outcome_unknown")[0]
+	a := heldAdapter{started: make(chan struct{}), release: make(chan struct{}), once: &sync.Once{}}
+	reg := registry(t, nil, shortPolicy(), readback.Binding{Name: "held", Kind: readback.Create,
+		Dependency: "held-api", Adapter: a, Policy: shortPolicy()})
+	p := newPool(t, rdb, reconcile.Config{Instance: "killed", Registry: reg, GracePeriod: 100 * time.Millisecond,
+		PollInterval: 100 * time.Millisecond})
+	stop := runPool(t, p)
+	<-a.started
+
+	lock, err := db.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = lock.Rollback(ctx) }()
+	var lockPID int
+	if err := lock.QueryRow(ctx, `SELECT pg_backend_pid() FROM reconciler.receipts WHERE id = $1 FOR UPDATE`, id).
+		Scan(&lockPID); err != nil {
+		t.Fatal(err)
+	}
+	close(a.release)
+	waitUntil(t, "the check to be recorded", func() bool { return checkCount(t, db, id) == 1 })
+	if r := receipt(t, db, id); r.State != "reconciling" {
+		t.Fatalf("receipt = %+v, want it unsettled while its row is locked", r)
+	}
+
+	// Stop the pool; its settlement, waiting on the lock, is cut off until
+	// the grace period is over and it gives up.
+	stopped := make(chan reconcile.Summary)
+	go func() { stopped <- stop() }()
+	var sum reconcile.Summary
+	waitUntil(t, "the pool to stop without settling", func() bool {
+		select {
+		case sum = <-stopped:
+			return true
+		default:
+		}
+		cutWaiters(t, db, lockPID)
+		return false
+	})
+	if n := len(sum.Settled); sum.Settled["succeeded"] != 0 {
+		t.Fatalf("summary %+v (%d states): the pool reports a settlement that was never written", sum, n)
+	}
+	if err := lock.Rollback(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if n := checkCount(t, db, id); n != 1 {
+		t.Fatalf("%d check records after the pool stopped, want the one made", n)
+	}
+	if r := receipt(t, db, id); r.State != "reconciling" || len(settlements(t, db, id)) != 0 {
+		t.Fatalf("receipt = %+v, want unsettled", r)
+	}
+}
+
+// cutWaiters terminates the backends of the test's database waiting on a
+// lock, other than pid.
+func cutWaiters(t *testing.T, db *pgxpool.Pool, pid int) {
+	t.Helper()
+	if _, err := db.Exec(context.Background(), `SELECT pg_terminate_backend(a.pid) FROM pg_stat_activity a
+		WHERE a.datname = current_database() AND a.wait_event_type = 'Lock' AND a.pid <> $1`, pid); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// Issue 9 follow-up: a row whose outcome the database refused even in its
+// minimal form is released with a check error (issue 8), not settled; the
+// run's summary and the metrics counted it as settled. They now count it as
+// refused and waiting.
+func TestRefusedOutcomeIsNotCountedAsSettled(t *testing.T) {
+	ctx := context.Background()
+	db := pgtest.NewPool(t)
+	id := seed(t, db, 1, "things.create", "refusing-api", "outcome_unknown")[0]
+	// The database refuses every settlement of this dependency's receipts,
+	// as it would refuse a row's data: the full outcome, then the minimal.
+	if _, err := db.Exec(ctx, `
+		CREATE FUNCTION refuse_for_test() RETURNS trigger LANGUAGE plpgsql AS $$
+		BEGIN RAISE EXCEPTION 'refused for the test' USING ERRCODE = 'check_violation'; END $$;
+		CREATE TRIGGER refuse_settlement BEFORE UPDATE ON reconciler.receipts FOR EACH ROW
+		WHEN (NEW.state = 'succeeded' AND NEW.dependency = 'refusing-api') EXECUTE FUNCTION refuse_for_test()`); err != nil {
+		t.Fatal(err)
+	}
+	present := readback.Binding{Name: "answer", Kind: readback.Create, Dependency: "refusing-api",
+		Policy: shortPolicy(), Adapter: readback.Static{Verdict: readback.VerdictPresent, ExternalID: "thing-1", Authoritative: true}}
+	reg := prometheus.NewRegistry()
+	p := newPool(t, db, reconcile.Config{Registry: registry(t, nil, shortPolicy(), present), Now: newClock().Now,
+		Metrics: reconcile.NewMetrics(reg)})
+	sum, err := p.Drain(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if r := receipt(t, db, id); r.State != "reconciling" || r.LeaseOwner != "" {
+		t.Fatalf("receipt = %+v, want released, not settled", r)
+	}
+	if total(sum.Settled) != 0 || sum.Refused != 1 || sum.Waiting != 1 {
+		t.Fatalf("summary %+v, want nothing settled, one refused and waiting", sum)
+	}
+	if n := family(t, reg, "reconciler_settlements_total"); n != 0 {
+		t.Fatalf("reconciler_settlements_total = %v, want 0", n)
+	}
+	if n := counter(t, reg, "reconciler_outcomes_refused_total"); n != 1 {
+		t.Fatalf("reconciler_outcomes_refused_total = %v, want 1", n)
+	}
+}
+
+func total(m map[statemachine.State]int) int {
+	n := 0
+	for _, v := range m {
+		n += v
+	}
+	return n
+}
+
+// family sums every series of the counter family name in reg.
+func family(t testing.TB, reg *prometheus.Registry, name string) float64 {
+	t.Helper()
+	mfs, err := reg.Gather()
+	if err != nil {
+		t.Fatal(err)
+	}
+	sum := 0.0
+	for _, mf := range mfs {
+		if mf.GetName() == name {
+			for _, m := range mf.GetMetric() {
+				sum += m.GetCounter().GetValue()
+			}
+		}
+	}
+	return sum
 }
