@@ -162,6 +162,14 @@ WHERE $28::bool AND r.id = ANY ($1::bigint[]) AND r.id NOT IN (SELECT id FROM s)
 // yet: a per-row probe of readback_checks' primary key, OFFSET 0 as in
 // sqlComplete. No lease guard: the check happened whoever holds the row.
 //
+// Its commit does not wait for the WAL flush (synchronous_commit off for
+// this statement's transaction, set_config local, evaluated once): a
+// record is visible, and safe from the reconciler's own death, once
+// committed; only a crash of the database server within about three
+// wal_writer_delay (600 ms by default) could lose it, and never before the
+// settlement it precedes, whose synchronous commit flushes the WAL up to
+// and past it. Each batch would otherwise wait for an fsync of its own.
+//
 // $1 receipt id, $2 check_no, $3 at, $4 adapter, $5 dependency, $6 verdict,
 // $7 authoritative, $8 matches, $9 latency_us, $10 error_class, $11 error,
 // $12 evidence, $13 instance, $14 retry.
@@ -173,7 +181,8 @@ SELECT x.*, $13 FROM unnest($1::bigint[], $2::int[], $3::timestamptz[], $4::text
                             $5::text[], $6::text[], $7::bool[], $8::int[], $9::bigint[],
                             $10::text[], $11::text[], $12::jsonb[])
     AS x(receipt_id, check_no, at, adapter, dependency, verdict, authoritative, matches,
-         latency_us, error_class, error, evidence)
+         latency_us, error_class, error, evidence),
+    (SELECT set_config('synchronous_commit', 'off', true)) AS async
 WHERE NOT $14::bool OR NOT EXISTS (
     SELECT 1 FROM reconciler.readback_checks k
     WHERE k.receipt_id = x.receipt_id AND k.check_no = x.check_no AND k.at = x.at
