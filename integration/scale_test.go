@@ -41,6 +41,17 @@ func fillScale(tb testing.TB, db *pgxpool.Pool) {
 	for _, q := range []string{
 		// A throwaway table need not survive a crash: unlogged, the fill
 		// writes no WAL (several times faster); plans do not depend on it.
+		// A logged table may not reference an unlogged one, so the tables
+		// holding a foreign key to receipts go first.
+		`DO $$
+		 DECLARE t regclass;
+		 BEGIN
+		   FOR t IN SELECT DISTINCT conrelid::regclass FROM pg_constraint
+		             WHERE contype = 'f' AND confrelid = 'reconciler.receipts'::regclass
+		               AND conrelid <> 'reconciler.receipts'::regclass LOOP
+		     EXECUTE format('ALTER TABLE %s SET UNLOGGED', t);
+		   END LOOP;
+		 END $$`,
 		`ALTER TABLE reconciler.receipts SET UNLOGGED`,
 		`SET session_replication_role = replica`,
 		`INSERT INTO reconciler.receipts (idempotency_key, operation, dependency, method, target, fingerprint,
