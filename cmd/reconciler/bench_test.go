@@ -49,6 +49,22 @@ func TestBenchLedger(t *testing.T) {
 	}
 }
 
+// bench gateway prints one line per concurrency with the latency the
+// gateway adds over a direct call and over Caller.Do, and each path's rate.
+func TestBenchGateway(t *testing.T) {
+	code, out, errOut := runCLI(t, "", "bench", "gateway", "-n", "40", "--concurrency", "1,3",
+		"--database-url", pgtest.AdminURL(t))
+	if code != 0 {
+		t.Fatalf("exit %d: %s", code, errOut)
+	}
+	lines := parseBenchLines(t, out, map[string]bool{"bench": false, "concurrency": true, "n": true,
+		"added_p50_ms": true, "added_p99_ms": true, "over_do_p50_ms": true, "over_do_p99_ms": true,
+		"gateway_calls_per_s": true, "do_calls_per_s": true, "direct_calls_per_s": true})
+	if len(lines) != 2 || lines[0]["concurrency"] != "1" || lines[1]["concurrency"] != "3" {
+		t.Fatalf("want one line per concurrency (1, 3), got:\n%s", out)
+	}
+}
+
 func TestBenchConsistency(t *testing.T) {
 	code, out, errOut := runCLI(t, "", "bench", "consistency", "--lags", "50ms,100ms", "--scale", "0.05",
 		"--receipts", "10", "--database-url", pgtest.AdminURL(t))
@@ -82,6 +98,8 @@ func TestBenchUsage(t *testing.T) {
 		{"bench", "consistency", "--lags", "-1s"},
 		{"bench", "consistency", "--schedules", "nonsense"},
 		{"bench", "consistency", "--scale", "0"},
+		{"bench", "gateway", "-n", "0"},
+		{"bench", "gateway", "--concurrency", "0"},
 	} {
 		if code, _, errOut := runCLI(t, "", args...); code != 2 {
 			t.Errorf("%v: exit %d (%s), want 2", args, code, errOut)
