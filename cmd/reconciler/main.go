@@ -246,7 +246,7 @@ func declares(flags []cli.Flag, name string) bool {
 // optionalParentFlags makes a parent command's flags optional to
 // the parser: urfave/cli checks them before it reaches the subcommand, so
 // `migrate up --help` would fail on a missing --database-url. The
-// subcommands check the value themselves (requireFlags).
+// subcommands check the value themselves (checkUsage).
 func optionalParentFlags(c *cli.Command) {
 	for _, f := range c.Flags {
 		if sf, ok := f.(*cli.StringFlag); ok && sf.Required {
@@ -255,11 +255,14 @@ func optionalParentFlags(c *cli.Command) {
 	}
 }
 
-// requireFlags checks a command's required flags in its action instead of
-// in urfave/cli's parser, which prints the whole help page on stdout before
-// its error: a missing one is the usage error "<command>: --name (or ENV)
-// is required" (exit 2), and nothing else runs.
-func requireFlags(path string, c *cli.Command) {
+// checkUsage makes a command check its usage in its action instead of in
+// urfave/cli's parser, which prints the whole help page on stdout before a
+// missing required flag's error, and which passes a command that takes no
+// argument whatever arguments it is given: a missing required flag is the
+// usage error "<command>: --name (or ENV) is required" and an argument to a
+// command that takes none (no ArgsUsage) "<command>: unexpected argument",
+// exit 2, before anything runs.
+func checkUsage(path string, c *cli.Command) {
 	var required []*cli.StringFlag
 	for _, f := range c.Flags {
 		if sf, ok := f.(*cli.StringFlag); ok && sf.Required {
@@ -267,11 +270,14 @@ func requireFlags(path string, c *cli.Command) {
 			required = append(required, sf)
 		}
 	}
-	if len(required) == 0 || c.Action == nil {
+	if c.Action == nil {
 		return
 	}
-	action := c.Action
+	action, takesArgs := c.Action, c.ArgsUsage != ""
 	c.Action = func(ctx *cli.Context) error {
+		if !takesArgs && ctx.Args().Present() {
+			return cli.Exit(fmt.Sprintf("%s: unexpected argument %q", path, ctx.Args().First()), 2)
+		}
 		for _, f := range required {
 			if strings.TrimSpace(ctx.String(f.Name)) == "" {
 				what := "--" + f.Name
@@ -320,7 +326,11 @@ func usageMessage(c *cli.Command, msg string) string {
 			want = "a number"
 		}
 	}
-	return fmt.Sprintf("invalid value %s for flag --%s: want %s", value, name, want)
+	dash := "--"
+	if len(name) == 1 {
+		dash = "-" // -n, as bench settle declares it
+	}
+	return fmt.Sprintf("invalid value %s for flag %s%s: want %s", value, dash, name, want)
 }
 
 // refuseUnknownSubcommands gives every command that has subcommands but no
@@ -335,7 +345,7 @@ func refuseUnknownSubcommands(prefix string, cmds []*cli.Command) {
 		if len(c.Subcommands) > 0 {
 			optionalParentFlags(c)
 		} else {
-			requireFlags(path[len("reconciler "):], c)
+			checkUsage(path[len("reconciler "):], c)
 		}
 		if c.OnUsageError == nil {
 			c.OnUsageError = func(_ *cli.Context, err error, _ bool) error {

@@ -77,9 +77,6 @@ func reviewCommand() *cli.Command {
 
 func reviewListAction(c *cli.Context) error {
 	const cmd = "review list"
-	if c.Args().Present() {
-		return cli.Exit(fmt.Sprintf("%s: unexpected argument %q", cmd, c.Args().First()), 2)
-	}
 	if c.Int("limit") <= 0 {
 		return cli.Exit(fmt.Sprintf("%s: --limit must be positive", cmd), 2)
 	}

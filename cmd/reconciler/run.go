@@ -95,9 +95,6 @@ func runCommand() *cli.Command {
 
 func runAction(c *cli.Context) error {
 	ctx := c.Context
-	if c.Args().Present() {
-		return cli.Exit(fmt.Sprintf("run: unexpected argument %q", c.Args().First()), 2)
-	}
 	if err := checkRunFlags(c); err != nil {
 		return err
 	}
