@@ -74,8 +74,9 @@ var scriptRoles = map[string]string{
 //	                            makes the agent's moves as that login
 //	backdate VAR AGE            make receipt $VAR AGE older: its creation,
 //	                            submission and latest move
-//	dbval [-db URL] QUERY WANT  SELECT QUERY as text, as the owner (or on
-//	                            the database URL)
+//	dbval [-db URL] [-wait] QUERY WANT
+//	                            SELECT QUERY as text, as the owner (or on
+//	                            the database URL); -wait: until it is WANT
 //	emptydb VAR                 a database with no schema; VAR its URL
 func TestScripts(t *testing.T) {
 	logins := newScriptLogins(t)
@@ -102,21 +103,14 @@ type scriptLogin struct{ name, password string }
 
 // newScriptLogins creates one login per role of scriptRoles for the whole
 // run (roles are server-wide; each script's database grants them through
-// docs/roles.sql) and drops them when every script is done.
+// docs/roles.sql) and drops them when every script is done. The group
+// roles come from docs/roles.sql itself, applied to a database of their
+// own first.
 func newScriptLogins(t *testing.T) map[string]scriptLogin {
 	t.Helper()
 	ctx := context.Background()
-	admin := pgtest.AdminURL(t)
-	conn, err := pgx.Connect(ctx, admin)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer conn.Close(ctx)
-	// The group roles, as docs/roles.sql creates them, before the logins
-	// that join them; the file itself needs a migrated schema.
-	if _, err := conn.Exec(ctx, rolesOnly); err != nil {
-		t.Fatalf("create the group roles: %v", err)
-	}
+	owner := pgtest.Pool(t, pgtest.NewDatabase(t))
+	applyRoles(t, owner)
 	logins := map[string]scriptLogin{}
 	for group := range scriptRoles {
 		l := scriptLogin{name: "ts_" + strings.ToLower(rand.Text()[:12]), password: rand.Text()}
@@ -124,18 +118,14 @@ func newScriptLogins(t *testing.T) map[string]scriptLogin {
 		if group != "" {
 			in = " IN ROLE " + pgx.Identifier{group}.Sanitize()
 		}
-		if _, err := conn.Exec(ctx, fmt.Sprintf(`CREATE ROLE %s LOGIN PASSWORD '%s'%s`,
+		if _, err := owner.Exec(ctx, fmt.Sprintf(`CREATE ROLE %s LOGIN PASSWORD '%s'%s`,
 			pgx.Identifier{l.name}.Sanitize(), l.password, in)); err != nil {
 			t.Fatal(err)
 		}
+		// Registered after the pool, so it runs before the pool closes
+		// and once every script's database is gone.
 		t.Cleanup(func() {
-			c, err := pgx.Connect(ctx, admin)
-			if err != nil {
-				t.Errorf("drop login %s: %v", l.name, err)
-				return
-			}
-			defer c.Close(ctx)
-			if _, err := c.Exec(ctx, `DROP ROLE `+pgx.Identifier{l.name}.Sanitize()); err != nil {
+			if _, err := owner.Exec(ctx, `DROP ROLE `+pgx.Identifier{l.name}.Sanitize()); err != nil {
 				t.Errorf("drop login %s: %v", l.name, err)
 			}
 		})
@@ -144,22 +134,17 @@ func newScriptLogins(t *testing.T) map[string]scriptLogin {
 	return logins
 }
 
-// rolesOnly creates the group roles of docs/roles.sql when missing, as the
-// file does (concurrent creation by another test process is fine).
-const rolesOnly = `DO $$
-DECLARE r text;
-BEGIN
-    FOREACH r IN ARRAY ARRAY['reconciler_agent', 'reconciler_worker', 'reconciler_reviewer', 'reconciler_readonly'] LOOP
-        IF NOT EXISTS (SELECT FROM pg_catalog.pg_roles WHERE rolname = r) THEN
-            BEGIN
-                EXECUTE format('CREATE ROLE %I NOLOGIN', r);
-            EXCEPTION WHEN duplicate_object OR unique_violation THEN
-                NULL;
-            END;
-        END IF;
-    END LOOP;
-END
-$$`
+// applyRoles applies docs/roles.sql to the database of owner.
+func applyRoles(tb testing.TB, owner *pgxpool.Pool) {
+	tb.Helper()
+	sql, err := os.ReadFile("../../docs/roles.sql")
+	if err != nil {
+		tb.Fatal(err)
+	}
+	if _, err := owner.Exec(context.Background(), string(sql)); err != nil {
+		tb.Fatalf("apply docs/roles.sql: %v", err)
+	}
+}
 
 // scriptDB is a script's database, for the commands that seed and inspect
 // it.
@@ -178,13 +163,7 @@ func setupScript(env *testscript.Env, logins map[string]scriptLogin) error {
 	}
 	dbURL := pgtest.NewDatabase(tb)
 	owner := pgtest.Pool(tb, dbURL)
-	roles, err := os.ReadFile("../../docs/roles.sql")
-	if err != nil {
-		return err
-	}
-	if _, err := owner.Exec(context.Background(), string(roles)); err != nil {
-		return fmt.Errorf("apply docs/roles.sql: %w", err)
-	}
+	applyRoles(tb, owner)
 	env.Setenv("DATABASE_URL", dbURL)
 	env.Setenv("SCHEMA_VERSION", strconv.FormatInt(migrations.Latest(), 10))
 	for group, l := range logins {
@@ -412,24 +391,45 @@ func scriptBackdate(ts *testscript.TestScript, neg bool, args []string) {
 	}))
 }
 
+// scriptDBVal checks a value in the database; with -wait it waits, up to
+// 20 s, for the value to become WANT (a daemon's work).
 func scriptDBVal(ts *testscript.TestScript, neg bool, args []string) {
 	db := dbOf(ts)
 	pool := db.owner
-	if len(args) == 4 && args[0] == "-db" {
+	if len(args) > 2 && args[0] == "-db" {
 		pool = pgtest.Pool(db.tb, args[1])
 		args = args[2:]
 	}
-	if len(args) != 2 {
-		ts.Fatalf("usage: dbval [-db URL] QUERY WANT")
+	wait := len(args) > 0 && args[0] == "-wait"
+	if wait {
+		args = args[1:]
 	}
-	var got *string
-	ts.Check(pool.QueryRow(context.Background(), `SELECT (`+args[0]+`)::text`).Scan(&got))
-	s := "NULL"
-	if got != nil {
-		s = *got
+	if len(args) != 2 || (wait && neg) {
+		ts.Fatalf("usage: dbval [-db URL] [-wait] QUERY WANT")
 	}
-	if (s == args[1]) == neg {
-		ts.Fatalf("%s is %q; want %s%q", args[0], s, map[bool]string{true: "not "}[neg], args[1])
+	ctx := context.Background()
+	read := func() string {
+		var got *string
+		ts.Check(pool.QueryRow(ctx, `SELECT (`+args[0]+`)::text`).Scan(&got))
+		if got == nil {
+			return "NULL"
+		}
+		return *got
+	}
+	got := read()
+	if wait {
+		tick := time.NewTicker(20 * time.Millisecond)
+		defer tick.Stop()
+		for deadline := time.After(20 * time.Second); got != args[1]; got = read() {
+			select {
+			case <-deadline:
+				ts.Fatalf("%s is still %q after 20 s; want %q", args[0], got, args[1])
+			case <-tick.C:
+			}
+		}
+	}
+	if (got == args[1]) == neg {
+		ts.Fatalf("%s is %q; want %s%q", args[0], got, map[bool]string{true: "not "}[neg], args[1])
 	}
 }
 
