@@ -11,7 +11,12 @@ import (
 // ProtectGate adapts a protect.Guard (per-dependency circuit breaker shared
 // through the database, concurrency and rate limits, retry budget, degraded
 // mode) to the pool's Gate. Its refusals become *Deferral: the row is
-// rescheduled at the Guard's "until", never settled.
+// rescheduled at the Guard's "until", never settled. A check refused only
+// because the dependency's concurrency limit is in use first waits, up to
+// that "until", for a slot (protect.Guard.AcquireWait): the pool may run
+// more workers than a dependency allows calls, and releasing each surplus
+// row for a whole busy delay would cap a healthy dependency's throughput at
+// its limit per delay, not per call.
 func ProtectGate(g *protect.Guard) Gate { return guardGate{g: g} }
 
 type guardGate struct{ g *protect.Guard }
@@ -21,7 +26,7 @@ func (gg guardGate) Enter(ctx context.Context, dependency string, retry bool) (P
 	if retry {
 		kind = protect.Retry
 	}
-	p, err := gg.g.Acquire(ctx, dependency, kind)
+	p, err := gg.g.AcquireWait(ctx, dependency, kind)
 	if err != nil {
 		var d *protect.Deferral
 		if errors.As(err, &d) {
