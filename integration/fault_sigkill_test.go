@@ -2,6 +2,7 @@ package integration
 
 import (
 	"math/rand/v2"
+	"strconv"
 	"testing"
 	"time"
 
@@ -43,7 +44,7 @@ func testSigkillLoop(t *testing.T, bin string) {
 		d := startDaemon(t, bin, url, args(instance)...)
 		names = append(names, instance)
 		// A random moment: sometimes during start-up, mostly mid-work.
-		time.Sleep(time.Duration(200+rng.IntN(1800)) * time.Millisecond)
+		time.Sleep(time.Duration(100+rng.IntN(900)) * time.Millisecond)
 		if unsettled(t, db, truth) == 0 {
 			break // a kill after the work is done tests nothing
 		}
@@ -55,8 +56,15 @@ func testSigkillLoop(t *testing.T, bin string) {
 		}
 	}
 	open := unsettled(t, db, truth)
-	final := startDaemon(t, bin, url, args(instance)...)
+	metrics := freeAddr(t)
+	final := startDaemon(t, bin, url, append(args(instance), "--metrics-addr", metrics)...)
 	names = append(names, instance)
+	// Ready before anything else: a SIGTERM during start-up, before the
+	// daemon handles signals, would kill it rather than stop it.
+	waitFor(t, time.Minute, "the last daemon ready", func() (bool, string) {
+		s := httpStatus("http://" + metrics + "/readyz")
+		return s == 200, "status " + strconv.Itoa(s)
+	})
 	waitSettled(t, db, truth, 3*time.Minute)
 	if err, _ := final.stop(t, 30*time.Second); err != nil {
 		t.Fatalf("the last daemon exited with %v; stderr:\n%s", err, final.stderr.String())
