@@ -190,6 +190,9 @@ GRANT INSERT (idempotency_key, operation, dependency, method, target, fingerprin
     ON reconciler.receipts TO reconciler_agent;
 GRANT UPDATE (state, state_actor, state_detail, external_id)
     ON reconciler.receipts TO reconciler_agent;
+-- The receipt gateway (`reconciler gateway`) runs as an agent: it keeps the
+-- responses it may replay, and drops them when they expire.
+GRANT SELECT, INSERT, DELETE ON reconciler.gateway_responses TO reconciler_agent;
 
 -- reconciler_worker: claim (UPDATE ... FOR UPDATE SKIP LOCKED), complete
 -- (settle or reschedule, appending readback_checks and duplicate_alarms in
@@ -226,7 +229,7 @@ GRANT UPDATE (state, state_actor, state_detail, external_id)
 -- `review list|show` work under it too.
 GRANT SELECT ON reconciler.receipts, reconciler.receipt_events, reconciler.readback_checks,
                 reconciler.duplicate_alarms, reconciler.late_outcomes,
-                reconciler.dependency_breakers
+                reconciler.dependency_breakers, reconciler.gateway_responses
     TO reconciler_readonly;
 
 COMMIT;

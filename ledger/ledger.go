@@ -66,6 +66,8 @@ type Client struct {
 	actor statemachine.Actor
 	// secretKey keys the fingerprint of secret fields (WithSecretKey).
 	secretKey fingerprint.Option
+	// settled wakes Await; shared by every client made from one New.
+	settled *settlements
 }
 
 // New returns a client that writes as actor ("agent:<id>").
@@ -74,13 +76,13 @@ func New(pool *pgxpool.Pool, actor string) (*Client, error) {
 	if err != nil {
 		return nil, fmt.Errorf("ledger: %w", err)
 	}
-	return &Client{pool: pool, actor: a}, nil
+	return &Client{pool: pool, actor: a, settled: newSettlements(pool)}, nil
 }
 
 // As returns a client on the same pool that writes as actor. The reconciler
 // and review tools use it; the actor is checked on every move.
 func (c *Client) As(actor statemachine.Actor) *Client {
-	return &Client{pool: c.pool, actor: actor, secretKey: c.secretKey}
+	return &Client{pool: c.pool, actor: actor, secretKey: c.secretKey, settled: c.settled}
 }
 
 // Pool returns the pool the client writes through.
@@ -760,7 +762,7 @@ func (c *Client) WithSecretKey(keyID string, key []byte) (*Client, error) {
 	if _, err := fingerprint.Compute("GET", "/", []byte(`{}`), opt); err != nil {
 		return nil, fmt.Errorf("ledger: %w", err)
 	}
-	return &Client{pool: c.pool, actor: c.actor, secretKey: opt}, nil
+	return &Client{pool: c.pool, actor: c.actor, secretKey: opt, settled: c.settled}, nil
 }
 
 // SecretKeyFromEnv returns c with the deployment's secret key

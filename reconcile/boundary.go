@@ -109,19 +109,26 @@ func (o Outcome) sanitized() Outcome {
 	}
 	o.Adapter, _ = sanitize.Text(o.Adapter, 255)
 	if c := o.Check; c != nil {
-		r := *c
-		var ch bool
-		r.Adapter = text(r.Adapter, 255, &ch)
-		r.Error = text(r.Error, MaxErrorBytes, &ch)
-		if len(r.Evidence) > 0 {
-			r.Evidence, _ = sanitize.JSON(r.Evidence, MaxEvidenceStringBytes, MaxEvidenceBytes)
-		}
-		if ch {
-			r.Evidence = markSanitized(r.Evidence)
-		}
+		r := c.sanitized()
 		o.Check = &r
 	}
 	return o
+}
+
+// sanitized returns a copy of c with its text from outside made safe to
+// store and bounded, its evidence marked where anything changed.
+func (c *CheckRecord) sanitized() CheckRecord {
+	r := *c
+	var ch bool
+	r.Adapter = text(r.Adapter, 255, &ch)
+	r.Error = text(r.Error, MaxErrorBytes, &ch)
+	if len(r.Evidence) > 0 {
+		r.Evidence, _ = sanitize.JSON(r.Evidence, MaxEvidenceStringBytes, MaxEvidenceBytes)
+	}
+	if ch {
+		r.Evidence = markSanitized(r.Evidence)
+	}
+	return r
 }
 
 // markSanitized adds "sanitized": true to a check's evidence (an object, or

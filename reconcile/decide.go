@@ -127,6 +127,26 @@ var controlAssumed = controlVerdict{ok: true, note: "assumed passed (no control 
 // rules of SPEC §5 are tested without a database.
 type decider struct {
 	int63n func(int64) int64
+	// sched picks the next check; nil means PolicyJitter over int63n.
+	sched Schedule
+}
+
+// observe tells a learning schedule what a read of c that began at readAt
+// found. It is called once per read: a decision made twice (first with the
+// positive control assumed) settles the first time, so only the second
+// observes.
+func (d decider) observe(c Claimed, readAt, absenceAt time.Time, present bool) {
+	if o, ok := d.sched.(Observer); ok {
+		o.Observe(Observation{Receipt: c.ID, Dependency: c.Dependency,
+			SinceSubmission: readAt.Sub(c.SubmittedAt), Present: present, AbsenceAt: absenceAt})
+	}
+}
+
+func (d decider) schedule() Schedule {
+	if d.sched == nil {
+		return PolicyJitter{Int63n: d.int63n}
+	}
+	return d.sched
 }
 
 // manual settles c to manual_review with reason, without a check.
@@ -317,8 +337,10 @@ func (d decider) decide(readAt, answeredAt time.Time, c Claimed, b *readback.Bin
 			ev.Bound = bound
 			return settle(statemachine.ManualReview, ReasonBoundReached)
 		}
-		j := FullJitter{Base: p.BackoffBase, Cap: p.BackoffCap, Int63n: d.int63n}
-		next := later(answeredAt, readAt).Add(max(j.Delay(max(counted-1, 0)), minWait))
+		from := later(answeredAt, readAt)
+		wait := d.schedule().Wait(Waiting{Dependency: c.Dependency, Policy: p, SubmittedAt: c.SubmittedAt,
+			ReadAt: readAt, AnsweredAt: from, Attempt: max(counted-1, 0), AbsenceAt: safeAt})
+		next := from.Add(max(wait, minWait))
 		// The last check allowed should be one that can conclude: not
 		// before the absence window, and not after the deadline.
 		if counted == p.MaxChecks-1 && next.Before(safeAt) {
@@ -416,6 +438,7 @@ func (d decider) decide(readAt, answeredAt time.Time, c Claimed, b *readback.Bin
 	}
 	switch res.Verdict {
 	case readback.VerdictPresent:
+		d.observe(c, readAt, safeAt, true)
 		if len(res.ExternalIDs) > 0 {
 			out.ExternalID = res.ExternalIDs[0]
 		}
@@ -430,6 +453,7 @@ func (d decider) decide(readAt, answeredAt time.Time, c Claimed, b *readback.Bin
 		if conclusiveAbsence() {
 			return settle(statemachine.SafeToRetry, ReasonAbsentAfterWindow)
 		}
+		d.observe(c, readAt, safeAt, false)
 	}
 	return again(0)
 }

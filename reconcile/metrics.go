@@ -15,6 +15,7 @@ type Metrics struct {
 	Deferrals     *prometheus.CounterVec   // dependency
 	Rescheduled   prometheus.Counter
 	LeaseLost     prometheus.Counter
+	Refused       prometheus.Counter
 	Claimed       prometheus.Counter
 	Orphans       prometheus.Counter
 	Duplicates    prometheus.Counter
@@ -63,6 +64,10 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 			Name: "reconciler_lease_lost_total",
 			Help: "Outcomes discarded because the row's lease had expired and another holder had it.",
 		}),
+		Refused: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "reconciler_outcomes_refused_total",
+			Help: "Outcomes the database refused even in their minimal form; the rows were released with a check error (also counted in reconciler_rescheduled_total), not settled.",
+		}),
 		Claimed: prometheus.NewCounter(prometheus.CounterOpts{
 			Name: "reconciler_claimed_total",
 			Help: "Rows claimed.",
@@ -106,7 +111,7 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 	}
 	if reg != nil {
 		reg.MustRegister(m.Settlements, m.Checks, m.CheckLatency, m.Failures, m.Deferrals,
-			m.Rescheduled, m.LeaseLost, m.Claimed, m.Orphans, m.Duplicates, m.Backlog,
+			m.Rescheduled, m.LeaseLost, m.Refused, m.Claimed, m.Orphans, m.Duplicates, m.Backlog,
 			m.StalePlanned, m.OldestUnknown, m.Breaker, m.DBErrors, m.ClockSkew, m.ControlOK)
 	}
 	return m

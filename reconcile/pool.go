@@ -54,6 +54,9 @@ type Config struct {
 	WallClock func() time.Time
 	// Int63n draws the jitter (default math/rand/v2).
 	Int63n func(n int64) int64
+	// Schedule picks each unsettled receipt's next check (default a
+	// LearnedLag drawing from Int63n).
+	Schedule Schedule
 	// Logger receives JSON-ready structured logs (default: discard).
 	Logger *slog.Logger
 	// Metrics, if set, is updated as the pool works.
@@ -63,6 +66,16 @@ type Config struct {
 	Workers int
 	// BatchSize bounds one claim and one completion statement (default 512).
 	BatchSize int
+	// PrefetchFor sizes the claims to what this instance can check soon,
+	// so that several instances share a backlog instead of the first to
+	// start holding it all: the rows claimed and not yet checked are kept
+	// to the workers plus a prefetch of the checks the workers finish in
+	// PrefetchFor, from the measured time a row keeps a worker (at least
+	// one row, at most BatchSize; one row until a first check is measured).
+	// Checks that take microseconds (a local adapter) are still claimed a
+	// batch at a time; checks of 100 ms with 32 workers, 32 rows beyond the
+	// busy workers (default 100ms).
+	PrefetchFor time.Duration
 	// MaxInFlight bounds the rows claimed and not yet completed
 	// (default 3·max(Workers, BatchSize)); a row waiting in the pool holds
 	// its lease, so this should stay a few batches at most.
@@ -133,6 +146,9 @@ func (c Config) withDefaults() Config {
 	if c.Registry == nil {
 		c.Registry = readback.NewRegistry()
 	}
+	if c.Schedule == nil {
+		c.Schedule = &LearnedLag{Int63n: c.Int63n}
+	}
 	if c.Workers == 0 {
 		c.Workers = 32
 	}
@@ -145,6 +161,7 @@ func (c Config) withDefaults() Config {
 	if c.Flushers == 0 {
 		c.Flushers = 2
 	}
+	def(&c.PrefetchFor, 100*time.Millisecond)
 	def(&c.Lease, DefaultLease)
 	def(&c.Heartbeat, c.Lease/3)
 	def(&c.CheckTimeout, 30*time.Second)
@@ -177,7 +194,7 @@ func (c Config) validate() error {
 		return bad("batch size must be at least 1, got %d", c.BatchSize)
 	case c.MaxInFlight < c.BatchSize:
 		return bad("max in flight (%d) must be at least the batch size (%d)", c.MaxInFlight, c.BatchSize)
-	case c.CheckTimeout <= 0 || c.Lease <= 0 || c.Heartbeat <= 0 || c.PollInterval <= 0 || c.FlushInterval <= 0 || c.GracePeriod < 0 ||
+	case c.PrefetchFor <= 0 || c.CheckTimeout <= 0 || c.Lease <= 0 || c.Heartbeat <= 0 || c.PollInterval <= 0 || c.FlushInterval <= 0 || c.GracePeriod < 0 ||
 		c.SweepTimeout <= 0 || c.ControlInterval <= 0 || c.ControlRetry <= 0 || c.ControlValidFor <= 0 || c.ControlScan < 1:
 		return bad("durations must be positive")
 	case 2*c.Heartbeat > c.Lease:
@@ -231,7 +248,7 @@ func New(db *pgxpool.Pool, cfg Config) (*Pool, error) {
 	}
 	return &Pool{
 		cfg: cfg, db: db, store: store,
-		dec:   decider{int63n: cfg.Int63n},
+		dec:   decider{int63n: cfg.Int63n, sched: cfg.Schedule},
 		log:   cfg.Logger.With("instance", cfg.Instance),
 		m:     cfg.Metrics,
 		clock: clock,
@@ -292,8 +309,11 @@ type Summary struct {
 	// Reasons counts settlements by reason.
 	Reasons map[string]int
 	// Waiting counts rows released to wait for a later check (including
-	// deferrals and rows released at shutdown).
+	// deferrals, rows released at shutdown, and Refused).
 	Waiting int
+	// Refused counts outcomes the database refused even in their minimal
+	// form: their rows were released with a check error, not settled.
+	Refused int
 	// Deferred counts checks the Gate refused (rescheduled).
 	Deferred int
 	// CheckErrors counts checks that failed (transient or permanent).
@@ -334,9 +354,19 @@ type session struct {
 	work     context.Context // cancelled at the end of the grace period
 	jobs     chan Claimed
 	outcomes chan Outcome
+	// checks carries each check, as soon as its adapter answered, to the
+	// recorder, which writes it apart from the settlement.
+	checks   chan pendingCheck
 	space    chan struct{}
 	inflight atomic.Int64 // claimed and not yet completed
 	flushing atomic.Int64 // handed to a writer, not yet completed
+	// unchecked counts the rows claimed whose processing (check, or
+	// settlement without one) has not ended: waiting for a worker or
+	// being checked. rowCost is the moving average of the time a row keeps
+	// a worker, in nanoseconds (0 until the first is measured). Together
+	// they size the claims (Config.PrefetchFor).
+	unchecked atomic.Int64
+	rowCost   atomic.Int64
 
 	// leases are the rows in flight (claimed, outcome not yet written),
 	// whose leases the heartbeat renews: id → token and current expiry.
@@ -366,6 +396,7 @@ func (p *Pool) serve(ctx context.Context, once bool) (Summary, error) {
 		p: p, stop: ctx, work: work,
 		jobs:     make(chan Claimed, p.cfg.MaxInFlight),
 		outcomes: make(chan Outcome, p.cfg.MaxInFlight),
+		checks:   make(chan pendingCheck, p.cfg.MaxInFlight),
 		space:    make(chan struct{}, 1),
 		summary:  newSummary(),
 		leases:   map[int64]heldLease{},
@@ -393,11 +424,26 @@ func (p *Pool) serve(ctx context.Context, once bool) (Summary, error) {
 	for range p.cfg.Workers {
 		workers.Go(func() {
 			for c := range s.jobs {
-				s.outcomes <- s.process(c)
+				start := time.Now()
+				o := s.process(c)
+				s.measure(time.Since(start))
+				s.unchecked.Add(-1)
+				// A worker is free: the claim loop may be waiting for one.
+				s.signalSpace()
+				if o.Check != nil {
+					// Never blocks: the channel holds MaxInFlight checks,
+					// one per row in flight at most.
+					done := make(chan struct{})
+					s.checks <- pendingCheck{check: ReceiptCheck{ReceiptID: o.ID, Check: o.Check}, done: done}
+					o.recorded = done
+				}
+				s.outcomes <- o
 			}
 		})
 	}
 	completer.Go(s.complete)
+	var recorder sync.WaitGroup
+	recorder.Go(s.record)
 	var heart sync.WaitGroup
 	heartCtx, stopHeart := context.WithCancel(work)
 	heart.Go(func() { s.heartbeat(heartCtx) })
@@ -413,8 +459,10 @@ func (p *Pool) serve(ctx context.Context, once bool) (Summary, error) {
 
 	close(s.jobs)
 	workers.Wait()
+	close(s.checks)
 	close(s.outcomes)
 	completer.Wait()
+	recorder.Wait()
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	return s.summary, err
@@ -491,12 +539,18 @@ func (s *session) claimLoop(once bool, wake <-chan struct{}) error {
 			p.refreshGauges(s.stop)
 			lastMetrics = time.Now()
 		}
-		free := int64(cfg.MaxInFlight) - s.inflight.Load()
-		if free < int64(min(cfg.BatchSize, cfg.MaxInFlight/2)) && s.inflight.Load() > 0 {
+		// Claim what the workers can start on soon (the idle ones, plus
+		// the prefetch), within the room left for rows in flight. Claim
+		// again only once half a prefetch is missing, so a slow adapter
+		// does not cost a claim statement per finished check.
+		room := int64(cfg.MaxInFlight) - s.inflight.Load()
+		prefetch := s.prefetch()
+		need := int64(cfg.Workers) + prefetch - s.unchecked.Load()
+		if s.inflight.Load() > 0 && (room < int64(min(cfg.BatchSize, cfg.MaxInFlight/2)) || need < (prefetch+1)/2) {
 			s.waitSpace()
 			continue
 		}
-		limit := int(min(free, int64(cfg.BatchSize)))
+		limit := int(max(1, min(room, need, int64(cfg.BatchSize))))
 		now := cfg.Now()
 		dueBy := now
 		if once {
@@ -526,6 +580,7 @@ func (s *session) claimLoop(once bool, wake <-chan struct{}) error {
 		if len(rows) > 0 {
 			s.hold(rows)
 			s.inflight.Add(int64(len(rows)))
+			s.unchecked.Add(int64(len(rows)))
 			if p.m != nil {
 				p.m.Claimed.Add(float64(len(rows)))
 			}
@@ -664,7 +719,46 @@ func (s *session) idle(wake <-chan struct{}, poll <-chan time.Time) {
 	}
 }
 
-// waitSpace waits until the completer frees room or the session stops.
+// prefetch is how many rows beyond the workers the next claim may take:
+// the checks the workers finish in PrefetchFor at the measured cost of a
+// row, at least one and at most BatchSize.
+func (s *session) prefetch() int64 {
+	cfg := s.p.cfg
+	cost := s.rowCost.Load()
+	if cost <= 0 {
+		return 1
+	}
+	n := (int64(cfg.Workers)*int64(cfg.PrefetchFor) + cost - 1) / cost
+	return min(max(n, 1), int64(cfg.BatchSize))
+}
+
+// measure folds the time one row kept a worker into rowCost (a moving
+// average weighting the newest row 1/8).
+func (s *session) measure(d time.Duration) {
+	ns := max(int64(d), 1)
+	for {
+		old := s.rowCost.Load()
+		next := ns
+		if old > 0 {
+			next = max(old+(ns-old)/8, 1)
+		}
+		if s.rowCost.CompareAndSwap(old, next) {
+			return
+		}
+	}
+}
+
+// signalSpace tells a waiting claim loop that a worker or room in flight
+// was freed.
+func (s *session) signalSpace() {
+	select {
+	case s.space <- struct{}{}:
+	default:
+	}
+}
+
+// waitSpace waits until a worker finishes a row or the completer frees
+// room, or the session stops.
 func (s *session) waitSpace() {
 	select {
 	case <-s.space:
@@ -878,57 +972,128 @@ func (s *session) complete() {
 	}
 }
 
-// flush writes one batch of outcomes. Writes outlive the stop signal (a
-// release at shutdown is the point), bounded by their own timeout. A failed
-// write (a failover, a dropped connection, a database outage) is retried
-// twice with a short jittered backoff, then kept and retried, with a backoff
-// capped at min(5s, PollInterval), until the database answers: the outcomes
-// are not lost, and their rows stay in flight, leases renewed by the
-// heartbeat (so at most MaxInFlight outcomes are ever kept, and claims stop
-// meanwhile). Only at the end of the grace period of a stop is a batch that
-// still cannot be written abandoned to its leases' expiry, which re-offers
-// its rows: checks are repeatable, settlements are guarded.
-func (s *session) flush(batch []Outcome) {
+// persist runs write until it succeeds: retried twice with a short
+// jittered backoff, then kept and retried, with a backoff capped at
+// min(5s, PollInterval), until the database answers or the grace period of
+// a stop ends. Every attempt after the first is told so (again): it may
+// follow an attempt that committed without our hearing of it. Each attempt
+// outlives the stop signal, bounded by its own timeout.
+func (s *session) persist(what string, rows int, write func(ctx context.Context, again bool) error) error {
 	p := s.p
-	var applied []int64
-	// A retry may follow a first attempt that committed without our
-	// hearing of it, so it is the idempotent CompleteAgain.
 	retry := backoff.NewExponentialBackOff()
 	retry.InitialInterval = 200 * time.Millisecond
 	attempt := 0
-	write := func() error {
+	try := func() error {
 		ctx, cancel := context.WithTimeout(context.WithoutCancel(s.stop), 30*time.Second)
 		defer cancel()
-		var err error
-		if attempt++; attempt == 1 {
-			applied, err = p.store.Complete(ctx, batch)
-		} else {
-			applied, err = p.store.CompleteAgain(ctx, batch)
-		}
-		return err
+		attempt++
+		return write(ctx, attempt > 1)
 	}
-	err := backoff.RetryNotify(write, backoff.WithMaxRetries(retry, 2),
-		func(err error, _ time.Duration) { s.dbError("complete", err) })
-	if err != nil {
-		s.dbError("complete", err)
-		p.log.Warn("outcomes kept until the database answers", "rows", len(batch), "error", err)
-		keep := backoff.NewExponentialBackOff()
-		keep.InitialInterval = 500 * time.Millisecond
-		keep.MaxInterval = min(5*time.Second, p.cfg.PollInterval)
-		keep.MaxElapsedTime = 0
-		err = backoff.RetryNotify(write, backoff.WithContext(keep, s.work),
-			func(err error, _ time.Duration) { s.dbError("complete", err) })
-		if err == nil {
-			p.log.Info("kept outcomes written", "rows", len(batch))
-		} else {
-			p.log.Warn("kept outcomes abandoned at the end of the grace period; their rows return when their leases expire",
-				"rows", len(batch))
+	err := backoff.RetryNotify(try, backoff.WithMaxRetries(retry, 2),
+		func(err error, _ time.Duration) { s.dbError(what, err) })
+	if err == nil {
+		return nil
+	}
+	s.dbError(what, err)
+	p.log.Warn("kept until the database answers", "statement", what, "rows", rows, "error", err)
+	keep := backoff.NewExponentialBackOff()
+	keep.InitialInterval = 500 * time.Millisecond
+	keep.MaxInterval = min(5*time.Second, p.cfg.PollInterval)
+	keep.MaxElapsedTime = 0
+	err = backoff.RetryNotify(try, backoff.WithContext(keep, s.work),
+		func(err error, _ time.Duration) { s.dbError(what, err) })
+	if err == nil {
+		p.log.Info("kept rows written", "statement", what, "rows", rows)
+	}
+	return err
+}
+
+// pendingCheck is a check on its way to the recorder; done is closed once
+// the recorder is done with it.
+type pendingCheck struct {
+	check ReceiptCheck
+	done  chan struct{}
+}
+
+// record writes the checks as their adapters answer, apart from the
+// settlements, so a read is in the audit trail even if this process dies
+// before it settles. It writes whatever has arrived while the previous
+// write ran, up to BatchSize in one statement: a lone check is written at
+// once, and under load the batches grow by themselves. A check whose write
+// is refused or abandoned (end of the grace period) stays unrecorded and is
+// written with its outcome.
+func (s *session) record() {
+	cfg := s.p.cfg
+	batch := make([]pendingCheck, 0, cfg.BatchSize)
+	for first := range s.checks {
+		batch = append(batch[:0], first)
+	more:
+		for len(batch) < cfg.BatchSize {
+			select {
+			case c, ok := <-s.checks:
+				if !ok {
+					break more
+				}
+				batch = append(batch, c)
+			default:
+				break more
+			}
 		}
+		checks := make([]ReceiptCheck, len(batch))
+		for i, c := range batch {
+			checks[i] = c.check
+		}
+		err := s.persist("record checks", len(checks), func(ctx context.Context, again bool) error {
+			if again {
+				return s.p.store.RecordChecksAgain(ctx, checks)
+			}
+			return s.p.store.RecordChecks(ctx, checks)
+		})
+		if err != nil {
+			s.p.log.Warn("checks not recorded at the end of the grace period; each is written with its outcome if that can be",
+				"rows", len(checks))
+		}
+		for _, c := range batch {
+			close(c.done)
+		}
+	}
+}
+
+// flush writes one batch of outcomes, once the recorder is done with their
+// checks. A failed write (a failover, a dropped connection, a database
+// outage) is kept and retried (persist) until the database answers: the
+// outcomes are not lost, and their rows stay in flight, leases renewed by
+// the heartbeat (so at most MaxInFlight outcomes are ever kept, and claims
+// stop meanwhile). Only at the end of the grace period of a stop is a batch
+// that still cannot be written abandoned to its leases' expiry, which
+// re-offers its rows: checks are repeatable, settlements are guarded.
+func (s *session) flush(batch []Outcome) {
+	p := s.p
+	for _, o := range batch {
+		if o.recorded != nil {
+			<-o.recorded
+		}
+	}
+	var w written
+	err := s.persist("complete", len(batch), func(ctx context.Context, again bool) error {
+		var err error
+		// A retry may follow a first attempt that committed without our
+		// hearing of it, so it is the idempotent CompleteAgain's.
+		w, err = p.store.complete(ctx, batch, again)
+		return err
+	})
+	if err != nil {
+		p.log.Warn("kept outcomes abandoned at the end of the grace period; their rows return when their leases expire",
+			"rows", len(batch))
 	}
 	s.release(batch)
-	ok := make(map[int64]bool, len(applied))
-	for _, id := range applied {
+	ok := make(map[int64]bool, len(w.applied))
+	for _, id := range w.applied {
 		ok[id] = true
+	}
+	refused := make(map[int64]bool, len(w.released))
+	for _, id := range w.released {
+		refused[id] = true
 	}
 	var dueAt []time.Time
 	s.mu.Lock()
@@ -941,6 +1106,20 @@ func (s *session) flush(batch []Outcome) {
 				p.m.LeaseLost.Inc()
 			}
 			p.log.Warn("outcome discarded: lease lost", "receipt_id", o.ID, "dependency", o.Dependency)
+		case refused[o.ID]:
+			// The database refused the outcome even in its minimal form:
+			// the row was released with a check error, not settled.
+			s.summary.Refused++
+			s.summary.Waiting++
+			if p.m != nil {
+				p.m.Refused.Inc()
+				p.m.Rescheduled.Inc()
+			}
+			p.log.Warn("outcome refused by the database; the row was released with a check error",
+				"receipt_id", o.ID, "dependency", o.Dependency, "outcome", string(o.To))
+			if !o.NextCheck.IsZero() {
+				dueAt = append(dueAt, o.NextCheck)
+			}
 		case o.Settles():
 			s.summary.Settled[o.To]++
 			s.summary.Reasons[o.Detail.Reason]++
@@ -973,10 +1152,7 @@ func (s *session) flush(batch []Outcome) {
 	// Run wakes when the first of these rows is due again.
 	s.noteDue(dueAt)
 	s.inflight.Add(-int64(len(batch)))
-	select {
-	case s.space <- struct{}{}:
-	default:
-	}
+	s.signalSpace()
 }
 
 // heldLease is a row in flight: its lease token and current expiry.

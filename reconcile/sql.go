@@ -69,8 +69,10 @@ RETURNING r.id, r.idempotency_key, r.operation, r.dependency, r.method, r.target
 // guarded by "still reconciling and still leased by the token I claimed it
 // with": a row whose lease expired and was reclaimed is left alone and not
 // returned. Check records are appended for every check made, whether or not
-// the lease still held, because the check did happen; duplicate alarms only
-// for rows this statement settled.
+// the lease still held, because the check did happen, unless they were
+// recorded already (the pool records each check when it is made,
+// sqlRecordChecks, and passes none here); duplicate alarms only for rows
+// this statement settled.
 //
 // "id = ANY($1)" besides the join pins the update to primary-key lookups
 // whatever the planner guesses for unnest's row count.
@@ -151,6 +153,41 @@ WHERE $28::bool AND r.id = ANY ($1::bigint[]) AND r.id NOT IN (SELECT id FROM s)
   AND CASE WHEN u.to_state = 'reconciling'
            THEN r.state = 'reconciling' AND r.next_check_at = u.next_check_at
            ELSE r.state = u.to_state AND r.state_actor = $8 AND r.state_detail = u.detail END`
+
+// sqlRecordChecks appends readback checks, written as soon as the adapter
+// answers and apart from the settlement (which then writes none of them),
+// so a check made by a process that dies before settling is recorded. A
+// retry whose first attempt may have committed ($14 true) inserts a check
+// only if the same check (receipt, check_no, at, instance) is not recorded
+// yet: a per-row probe of readback_checks' primary key, OFFSET 0 as in
+// sqlComplete. No lease guard: the check happened whoever holds the row.
+//
+// Its commit does not wait for the WAL flush (synchronous_commit off for
+// this statement's transaction, set_config local, evaluated once): a
+// record is visible, and safe from the reconciler's own death, once
+// committed; only a crash of the database server within about three
+// wal_writer_delay (600 ms by default) could lose it, and never before the
+// settlement it precedes, whose synchronous commit flushes the WAL up to
+// and past it. Each batch would otherwise wait for an fsync of its own.
+//
+// $1 receipt id, $2 check_no, $3 at, $4 adapter, $5 dependency, $6 verdict,
+// $7 authoritative, $8 matches, $9 latency_us, $10 error_class, $11 error,
+// $12 evidence, $13 instance, $14 retry.
+const sqlRecordChecks = `
+INSERT INTO reconciler.readback_checks
+    (receipt_id, check_no, at, adapter, dependency, verdict, authoritative, matches,
+     latency_us, error_class, error, evidence, instance)
+SELECT x.*, $13 FROM unnest($1::bigint[], $2::int[], $3::timestamptz[], $4::text[],
+                            $5::text[], $6::text[], $7::bool[], $8::int[], $9::bigint[],
+                            $10::text[], $11::text[], $12::jsonb[])
+    AS x(receipt_id, check_no, at, adapter, dependency, verdict, authoritative, matches,
+         latency_us, error_class, error, evidence),
+    (SELECT set_config('synchronous_commit', 'off', true)) AS async
+WHERE NOT $14::bool OR NOT EXISTS (
+    SELECT 1 FROM reconciler.readback_checks k
+    WHERE k.receipt_id = x.receipt_id AND k.check_no = x.check_no AND k.at = x.at
+      AND k.instance = $13
+    OFFSET 0)`
 
 // sqlReleaseRefused releases a leased row whose outcome the database
 // refused even in its minimal form, recording a check error so that

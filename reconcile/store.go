@@ -182,6 +182,11 @@ type Outcome struct {
 	Duplicates []string
 	Adapter    string
 	Dependency string
+
+	// recorded, when set, is closed once the pool's recorder is done with
+	// Check (written, or given up): the outcome is written after it, so a
+	// settlement never precedes its check's record.
+	recorded <-chan struct{}
 }
 
 // Settles reports whether o settles the receipt (as opposed to releasing it).
@@ -214,13 +219,144 @@ type CheckRecord struct {
 	ErrorClass    readback.ErrorClass // "" unless Verdict is "error"
 	Error         string
 	Evidence      json.RawMessage
+	// Recorded is set once RecordChecks has written the check: Complete
+	// then does not write it again.
+	Recorded bool
+}
+
+// ReceiptCheck is a check of one receipt, for RecordChecks.
+type ReceiptCheck struct {
+	ReceiptID int64
+	Check     *CheckRecord
+}
+
+// RecordChecks appends checks to reconciler.readback_checks in one
+// statement, apart from any settlement, and marks each written one
+// Recorded. The pool records every check as soon as its adapter answers, so
+// a read made by a process that dies before it settles is still in the
+// audit trail; the settlement that follows does not record it again. A
+// check the database refuses for its data alone is recorded without its
+// evidence and error text; one refused even so is left unrecorded (Complete
+// then handles it with its outcome).
+func (s *Store) RecordChecks(ctx context.Context, checks []ReceiptCheck) error {
+	return s.recordChecks(ctx, checks, false)
+}
+
+// RecordChecksAgain repeats a RecordChecks whose commit is unknown (the
+// connection broke after COMMIT was sent): a check already recorded is not
+// recorded again.
+func (s *Store) RecordChecksAgain(ctx context.Context, checks []ReceiptCheck) error {
+	return s.recordChecks(ctx, checks, true)
+}
+
+func (s *Store) recordChecks(ctx context.Context, checks []ReceiptCheck, retry bool) error {
+	if len(checks) == 0 {
+		return nil
+	}
+	clean := make([]ReceiptCheck, len(checks))
+	for i, c := range checks {
+		r := c.Check.sanitized()
+		clean[i] = ReceiptCheck{ReceiptID: c.ReceiptID, Check: &r}
+	}
+	ok, err := s.recordSplit(ctx, clean, retry)
+	for i, c := range checks {
+		if ok[i] {
+			c.Check.Recorded = true
+		}
+	}
+	return err
+}
+
+// recordSplit writes checks in one statement and reports which were
+// written. On a data error it splits the batch in halves, down to single
+// checks, each then written minimally (no evidence, no error text), as
+// complete does with outcomes.
+func (s *Store) recordSplit(ctx context.Context, checks []ReceiptCheck, retry bool) ([]bool, error) {
+	ok := make([]bool, len(checks))
+	err := s.insertChecks(ctx, checks, retry)
+	if err == nil {
+		for i := range ok {
+			ok[i] = true
+		}
+		return ok, nil
+	}
+	if !dataError(err) || ctx.Err() != nil {
+		return ok, err
+	}
+	if len(checks) == 1 {
+		why := refusal(err)
+		r := *checks[0].Check
+		r.Error, r.Evidence = "", json.RawMessage(`{"sanitized":true}`)
+		if r.Verdict == "error" {
+			r.Error = "the check's error could not be stored: " + why
+		}
+		err := s.insertChecks(ctx, []ReceiptCheck{{ReceiptID: checks[0].ReceiptID, Check: &r}}, retry)
+		if err != nil && dataError(err) {
+			return ok, nil
+		}
+		ok[0] = err == nil
+		return ok, err
+	}
+	half := len(checks) / 2
+	a, err := s.recordSplit(ctx, checks[:half], retry)
+	if err != nil {
+		return append(a, make([]bool, len(checks)-half)...), err
+	}
+	b, err := s.recordSplit(ctx, checks[half:], retry)
+	return append(a, b...), err
+}
+
+// insertChecks appends checks (already sanitized) in one statement.
+func (s *Store) insertChecks(ctx context.Context, checks []ReceiptCheck, retry bool) error {
+	var c checkRows
+	for _, rc := range checks {
+		c.add(rc.ReceiptID, rc.Check)
+	}
+	if _, err := s.pool.Exec(ctx, sqlRecordChecks, c.id, c.no, c.at, c.adapter, c.dep, c.verdict,
+		c.auth, c.matches, c.latency, c.class, c.err, c.ev, s.instance, retry); err != nil {
+		return fmt.Errorf("reconcile: record %d checks: %w", len(checks), err)
+	}
+	return nil
+}
+
+// checkRows are check records as the columns of readback_checks, one array
+// per column, for unnest.
+type checkRows struct {
+	id                    []int64
+	no, matches           []int32
+	at                    []time.Time
+	adapter, dep, verdict []string
+	auth                  []bool
+	latency               []int64
+	class, err            []*string
+	ev                    [][]byte
+}
+
+func (r *checkRows) add(receipt int64, c *CheckRecord) {
+	r.id = append(r.id, receipt)
+	r.no = append(r.no, int32(c.CheckNo))
+	r.at = append(r.at, c.At)
+	r.adapter = append(r.adapter, c.Adapter)
+	r.dep = append(r.dep, c.Dependency)
+	r.verdict = append(r.verdict, c.Verdict)
+	r.auth = append(r.auth, c.Authoritative)
+	r.matches = append(r.matches, int32(c.Matches))
+	r.latency = append(r.latency, c.Latency.Microseconds())
+	r.class = append(r.class, nullable(string(c.ErrorClass)))
+	r.err = append(r.err, nullable(c.Error))
+	if len(c.Evidence) > 0 {
+		r.ev = append(r.ev, c.Evidence)
+	} else {
+		r.ev = append(r.ev, nil)
+	}
 }
 
 // Complete applies outcomes in one statement and returns the ids whose
 // lease still held (the others were reclaimed after their lease expired and
 // are left to their new holder).
 func (s *Store) Complete(ctx context.Context, outcomes []Outcome) (applied []int64, err error) {
-	return s.complete(ctx, outcomes, false)
+	w, err := s.complete(ctx, outcomes, false)
+	return w.applied, err
 }
 
 // CompleteAgain repeats a Complete of the same outcomes that failed in a
@@ -229,7 +365,22 @@ func (s *Store) Complete(ctx context.Context, outcomes []Outcome) (applied []int
 // and a row that already holds the outcome (the first attempt committed) is
 // returned as applied.
 func (s *Store) CompleteAgain(ctx context.Context, outcomes []Outcome) (applied []int64, err error) {
-	return s.complete(ctx, outcomes, true)
+	w, err := s.complete(ctx, outcomes, true)
+	return w.applied, err
+}
+
+// written is what a write of outcomes did: the ids whose lease held, and
+// among them the ids whose outcome the database refused even minimally and
+// that were released instead (writeRefused): not settled, whatever their
+// outcome said.
+type written struct {
+	applied  []int64
+	released []int64
+}
+
+func (w *written) add(o written) {
+	w.applied = append(w.applied, o.applied...)
+	w.released = append(w.released, o.released...)
 }
 
 // complete writes outcomes, each sanitized first (text from an API made
@@ -239,9 +390,9 @@ func (s *Store) CompleteAgain(ctx context.Context, outcomes []Outcome) (applied 
 // row refused on its own is written minimally (writeRefused), so it never
 // stays leased and failing forever. The split costs nothing unless a batch
 // fails.
-func (s *Store) complete(ctx context.Context, outcomes []Outcome, retry bool) (applied []int64, err error) {
+func (s *Store) complete(ctx context.Context, outcomes []Outcome, retry bool) (written, error) {
 	if len(outcomes) == 0 {
-		return nil, nil
+		return written{}, nil
 	}
 	clean := make([]Outcome, len(outcomes))
 	for i, o := range outcomes {
@@ -252,10 +403,10 @@ func (s *Store) complete(ctx context.Context, outcomes []Outcome, retry bool) (a
 
 // completeSplit writes outcomes in one statement, splitting the batch on a
 // data error (see complete).
-func (s *Store) completeSplit(ctx context.Context, outcomes []Outcome, retry bool) ([]int64, error) {
+func (s *Store) completeSplit(ctx context.Context, outcomes []Outcome, retry bool) (written, error) {
 	applied, err := s.write(ctx, outcomes, retry)
 	if err == nil || !dataError(err) || ctx.Err() != nil {
-		return applied, err
+		return written{applied: applied}, err
 	}
 	if len(outcomes) == 1 {
 		return s.writeRefused(ctx, outcomes[0], err, retry)
@@ -266,7 +417,8 @@ func (s *Store) completeSplit(ctx context.Context, outcomes []Outcome, retry boo
 		return a, err
 	}
 	b, err := s.completeSplit(ctx, outcomes[half:], retry)
-	return append(a, b...), err
+	a.add(b)
+	return a, err
 }
 
 // WriteRefusedRetry is how long a row whose outcome the database refused
@@ -281,7 +433,7 @@ const WriteRefusedRetry = time.Minute
 // check_count grows and the bounds (max_checks, deadline) eventually settle
 // it to manual_review. A row refused even so is left to its lease's expiry
 // (not returned as applied).
-func (s *Store) writeRefused(ctx context.Context, o Outcome, cause error, retry bool) ([]int64, error) {
+func (s *Store) writeRefused(ctx context.Context, o Outcome, cause error, retry bool) (written, error) {
 	why := refusal(cause)
 	minimal := Outcome{ID: o.ID, Lease: o.Lease, To: o.To, NextCheck: o.NextCheck,
 		Adapter: o.Adapter, Dependency: o.Dependency, Waited: o.Waited}
@@ -298,7 +450,7 @@ func (s *Store) writeRefused(ctx context.Context, o Outcome, cause error, retry 
 			minimal.Detail.Error = &DetailError{Code: o.Detail.Error.Code}
 		}
 	}
-	if c := o.Check; c != nil {
+	if c := o.Check; c != nil && !c.Recorded {
 		r := *c
 		r.Error, r.Evidence = "", json.RawMessage(`{"sanitized":true}`)
 		if r.Verdict == "error" {
@@ -308,7 +460,7 @@ func (s *Store) writeRefused(ctx context.Context, o Outcome, cause error, retry 
 	}
 	applied, err := s.write(ctx, []Outcome{minimal}, retry)
 	if err == nil || !dataError(err) {
-		return applied, err
+		return written{applied: applied}, err
 	}
 	var next *time.Time
 	switch {
@@ -325,16 +477,16 @@ func (s *Store) writeRefused(ctx context.Context, o Outcome, cause error, retry 
 	rows, err := s.pool.Query(ctx, sqlReleaseRefused, o.ID, o.Lease, next, at, o.Adapter,
 		"outcome refused by the database: "+why, s.instance, WriteRefusedRetry.Seconds())
 	if err != nil {
-		return nil, fmt.Errorf("reconcile: release receipt %d after its outcome was refused: %w", o.ID, err)
+		return written{}, fmt.Errorf("reconcile: release receipt %d after its outcome was refused: %w", o.ID, err)
 	}
 	applied, err = pgx.CollectRows(rows, pgx.RowTo[int64])
 	if err != nil && dataError(err) {
-		return nil, nil
+		return written{}, nil
 	}
 	if err != nil {
-		return nil, fmt.Errorf("reconcile: release receipt %d after its outcome was refused: %w", o.ID, err)
+		return written{}, fmt.Errorf("reconcile: release receipt %d after its outcome was refused: %w", o.ID, err)
 	}
-	return applied, nil
+	return written{applied: applied, released: applied}, nil
 }
 
 // refusal describes a database refusal in a bounded line of its own text.
@@ -362,8 +514,7 @@ func (s *Store) write(ctx context.Context, outcomes []Outcome, retry bool) (appl
 		addWait  = make([]int32, n)
 		trans    = make([]bool, n)
 
-		cID, cNo, cAt, cAdapter, cDep, cVerdict      = []int64{}, []int32{}, []time.Time{}, []string{}, []string{}, []string{}
-		cAuth, cMatches, cLatency, cClass, cErr, cEv = []bool{}, []int32{}, []int64{}, []*string{}, []*string{}, [][]byte{}
+		checks checkRows
 
 		aID, aAt, aAdapter, aDep, aIDs = []int64{}, []time.Time{}, []string{}, []string{}, [][]byte{}
 	)
@@ -388,25 +539,14 @@ func (s *Store) write(ctx context.Context, outcomes []Outcome, retry bool) (appl
 			addWait[i] = 1
 		}
 		if c := o.Check; c != nil {
+			// A check RecordChecks already wrote still counts; it is not
+			// written again.
 			if !o.Waited {
 				addCheck[i] = 1
 				trans[i] = c.ErrorClass == readback.Transient
 			}
-			cID = append(cID, o.ID)
-			cNo = append(cNo, int32(c.CheckNo))
-			cAt = append(cAt, c.At)
-			cAdapter = append(cAdapter, c.Adapter)
-			cDep = append(cDep, c.Dependency)
-			cVerdict = append(cVerdict, c.Verdict)
-			cAuth = append(cAuth, c.Authoritative)
-			cMatches = append(cMatches, int32(c.Matches))
-			cLatency = append(cLatency, c.Latency.Microseconds())
-			cClass = append(cClass, nullable(string(c.ErrorClass)))
-			cErr = append(cErr, nullable(c.Error))
-			if len(c.Evidence) > 0 {
-				cEv = append(cEv, c.Evidence)
-			} else {
-				cEv = append(cEv, nil)
+			if !c.Recorded {
+				checks.add(o.ID, c)
 			}
 		}
 		if len(o.Duplicates) > 1 && o.Settles() && o.Check != nil {
@@ -431,7 +571,8 @@ func (s *Store) write(ctx context.Context, outcomes []Outcome, retry bool) (appl
 		}
 		rows, err := tx.Query(ctx, sqlComplete, pgx.QueryExecModeCacheDescribe,
 			ids, leases, tos, details, extIDs, nexts, addCheck, string(s.actor),
-			cID, cNo, cAt, cAdapter, cDep, cVerdict, cAuth, cMatches, cLatency, cClass, cErr, cEv, s.instance,
+			checks.id, checks.no, checks.at, checks.adapter, checks.dep, checks.verdict, checks.auth, checks.matches,
+			checks.latency, checks.class, checks.err, checks.ev, s.instance,
 			aID, aAt, aAdapter, aDep, aIDs, trans, retry, addWait)
 		if err != nil {
 			return err

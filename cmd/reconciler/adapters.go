@@ -49,6 +49,10 @@ func adaptersCommand() *cli.Command {
 }
 
 func adaptersCheckAction(c *cli.Context) error {
+	url := c.String("database-url")
+	if c.IsSet("receipt") && url == "" {
+		return cli.Exit("adapters check: --receipt needs --database-url (or RECONCILER_DATABASE_URL)", 2)
+	}
 	path := c.String("config")
 	reg, err := httpadapter.LoadFile(path, nil)
 	if err != nil {
@@ -63,10 +67,6 @@ func adaptersCheckAction(c *cli.Context) error {
 	out.Printf("%s: valid, %d adapter(s)\n", path, len(bindings))
 	printBindings(out, bindings)
 	_, _ = out.Write([]byte(limits.String())) // laid out by printDependencyLimits; the guard applies
-	url := c.String("database-url")
-	if c.IsSet("receipt") && url == "" {
-		return cli.Exit("adapters check: --receipt needs --database-url (or RECONCILER_DATABASE_URL)", 2)
-	}
 	var db *pgxpool.Pool
 	if url != "" && (c.Bool("control") || c.IsSet("receipt")) {
 		if db, err = pgxpool.New(c.Context, url); err != nil {
@@ -248,7 +248,7 @@ func loadReceipt(ctx context.Context, db *pgxpool.Pool, id int64) (readback.Rece
 		&r.Dependency, &r.Method, &r.Target, &r.Fingerprint, &r.Intent, &r.PreImage, &r.ExternalID,
 		&r.Attempt, &r.CreatedAt, &r.SubmittedAt, &r.SendDeadline, &r.UnknownSince, &r.Checks, &state)
 	if errors.Is(err, pgx.ErrNoRows) {
-		return readback.Receipt{}, "", nil, fmt.Errorf("receipt %d does not exist", id)
+		return readback.Receipt{}, "", nil, fmt.Errorf("receipt %d not found", id)
 	}
 	if err != nil {
 		return readback.Receipt{}, "", nil, fmt.Errorf("reading receipt %d: %w", id, err)

@@ -14,11 +14,9 @@ import (
 	"strings"
 	"time"
 
-	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/urfave/cli/v2"
 
-	"github.com/receiptledger/reconciler/migrations"
 	"github.com/receiptledger/reconciler/readback"
 	"github.com/receiptledger/reconciler/reconcile"
 	"github.com/receiptledger/reconciler/statemachine"
@@ -27,21 +25,21 @@ import (
 func benchCommand() *cli.Command {
 	return &cli.Command{
 		Name:  "bench",
-		Usage: "measure the reconciler on a throwaway database",
-		Subcommands: []*cli.Command{{
+		Usage: "measure the ledger and the reconciler on a throwaway database",
+		Subcommands: []*cli.Command{benchLedgerCommand(), benchConsistencyCommand(), benchGatewayCommand(), {
 			Name: "settle",
 			Usage: "fill N due receipts, settle them with one instance and a no-op adapter that " +
 				"answers present, print settled_per_s and peak_rss_mb",
 			Description: "Creates a database named reconciler_bench_<random> on the server of " +
-				"--database-url (the role needs CREATEDB), migrates it, fills it, settles every " +
-				"row through the real claim/check/settle path (history events and check records " +
-				"included) and drops it. Output is one name=value per line.",
+				"--database-url (the role needs CREATEDB; without it, on a throwaway cluster), migrates " +
+				"it, fills it, settles every row through the real claim/check/settle path (history " +
+				"events and check records included) and drops it. Output is one name=value per line.",
 			Flags: []cli.Flag{
-				databaseURLFlag(),
+				benchServerFlag(),
 				&cli.IntFlag{Name: "n", Value: 20000, Usage: "number of due receipts"},
 				&cli.IntFlag{Name: "batch-size", Value: benchBatchSize, Usage: "rows per claim and per settle statement"},
 				&cli.IntFlag{Name: "workers", Value: benchWorkers, Usage: "concurrent checks"},
-				&cli.BoolFlag{Name: "keep", Usage: "keep the benchmark database (its name is printed)"},
+				&cli.BoolFlag{Name: "keep", Usage: "keep the benchmark database (its name is printed; not with a throwaway cluster)"},
 			},
 			Action: benchSettle,
 		}},
@@ -65,32 +63,16 @@ func benchSettle(c *cli.Context) error {
 		return cli.Exit("bench settle: -n must be at least 1", 2)
 	}
 	ctx := c.Context
-	admin, err := pgx.Connect(ctx, c.String("database-url"))
-	if err != nil {
-		return cli.Exit(fmt.Sprintf("bench settle: connect: %v", err), 1)
-	}
-	defer admin.Close(context.WithoutCancel(ctx))
-	name := "reconciler_bench_" + randomHex(6)
-	if _, err := admin.Exec(ctx, "CREATE DATABASE "+name); err != nil {
-		return cli.Exit(fmt.Sprintf("bench settle: create database: %v", err), 1)
-	}
-	if !c.Bool("keep") {
-		defer func() {
-			_, _ = admin.Exec(context.WithoutCancel(ctx), "DROP DATABASE IF EXISTS "+name+" WITH (FORCE)")
-		}()
-	}
-	dbURL, err := withDatabase(c.String("database-url"), name)
+	bdb, err := openBenchDB(ctx, c.App.ErrWriter, c.String("database-url"), c.Bool("keep"))
 	if err != nil {
 		return cli.Exit(fmt.Sprintf("bench settle: %v", err), 1)
 	}
-	db, err := pgxpool.New(ctx, dbURL)
+	defer bdb.Close()
+	db, err := pgxpool.New(ctx, bdb.URL)
 	if err != nil {
 		return cli.Exit(fmt.Sprintf("bench settle: %v", err), 1)
 	}
 	defer db.Close()
-	if err := migrations.Up(ctx, db); err != nil {
-		return cli.Exit(fmt.Sprintf("bench settle: %v", err), 1)
-	}
 	if err := benchFill(ctx, db, n); err != nil {
 		return cli.Exit(fmt.Sprintf("bench settle: fill: %v", err), 1)
 	}
@@ -138,8 +120,8 @@ func benchSettle(c *cli.Context) error {
 	fmt.Fprintf(w, "elapsed_s=%.3f\n", elapsed.Seconds())
 	fmt.Fprintf(w, "settled_per_s=%.0f\n", float64(settled)/elapsed.Seconds())
 	fmt.Fprintf(w, "peak_rss_mb=%.1f\n", peakRSSMB())
-	if c.Bool("keep") {
-		fmt.Fprintf(w, "database=%s\n", name)
+	if c.Bool("keep") && c.String("database-url") != "" {
+		fmt.Fprintf(w, "database=%s\n", bdb.Name)
 	}
 	return nil
 }

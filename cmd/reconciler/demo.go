@@ -6,7 +6,6 @@ import (
 	crand "crypto/rand"
 	"encoding/hex"
 	"encoding/json"
-	"errors"
 	"fmt"
 	"io"
 	"math/rand/v2"
@@ -50,6 +49,9 @@ func demoCommand() *cli.Command {
 			&cli.Uint64Flag{Name: "seed", Value: 7, Usage: "seed of the fault schedule"},
 		},
 		Action: func(c *cli.Context) error {
+			if tasks, rate := c.Int("tasks"), c.Float64("fault-rate"); tasks < 1 || !(rate >= 0 && rate <= 1) {
+				return cli.Exit(fmt.Sprintf("demo: --tasks must be at least 1 and --fault-rate within [0, 1], got %d and %v", tasks, rate), 2)
+			}
 			if err := runDemo(c.Context, c.App.Writer, c.String("database-url"), c.Int("tasks"),
 				c.Float64("fault-rate"), c.Uint64("seed")); err != nil {
 				return cli.Exit("demo: "+err.Error(), 1)
@@ -60,9 +62,6 @@ func demoCommand() *cli.Command {
 }
 
 func runDemo(ctx context.Context, out io.Writer, dbURL string, tasks int, faultRate float64, seed uint64) error {
-	if tasks < 1 || faultRate < 0 || faultRate > 1 {
-		return errors.New("--tasks must be at least 1 and --fault-rate within [0, 1]")
-	}
 	var pool *pgxpool.Pool
 	if dbURL == "" {
 		fmt.Fprintln(out, "starting a throwaway Postgres cluster from the local server binaries ...")

@@ -50,7 +50,6 @@ func fingerprintCommand() *cli.Command {
 			&cli.IntFlag{Name: "max-bytes", Usage: "largest payload accepted, in bytes; 0 for no limit", Value: fingerprint.DefaultMaxBytes},
 		},
 		HideHelpCommand: true,
-		OnUsageError:    usageError,
 		Action:          runFingerprint,
 		Subcommands: []*cli.Command{
 			{
@@ -61,8 +60,7 @@ func fingerprintCommand() *cli.Command {
 					"can be hashed or compared as is. Refuses only what RFC 8785 refuses: invalid JSON,\n" +
 					"invalid UTF-8 or lone surrogates, duplicate keys, numbers beyond the double range.\n" +
 					"Exit status: 0 success, 1 refused input, 2 usage error.",
-				OnUsageError: usageError,
-				Action:       runCanonicalize,
+				Action: runCanonicalize,
 			},
 		},
 	}
@@ -142,9 +140,6 @@ func secretKeyOption(c *cli.Context) (fingerprint.Option, error) {
 }
 
 func runCanonicalize(c *cli.Context) error {
-	if c.Args().Present() {
-		return cli.Exit(fmt.Sprintf("fingerprint canonicalize: unexpected argument %q", c.Args().First()), exitUsage)
-	}
 	doc, err := readInput(c.App.Reader, 0)
 	if err != nil {
 		return cli.Exit(fmt.Sprintf("fingerprint canonicalize: reading stdin: %v", err), exitBadInput)
@@ -165,11 +160,6 @@ func readInput(r io.Reader, maxBytes int) ([]byte, error) {
 		r = io.LimitReader(r, int64(maxBytes)+1)
 	}
 	return io.ReadAll(r)
-}
-
-// usageError turns a flag parsing error into exit status 2.
-func usageError(_ *cli.Context, err error, _ bool) error {
-	return cli.Exit("fingerprint: "+err.Error(), exitUsage)
 }
 
 // pointers returns the values of a repeatable pointer flag.

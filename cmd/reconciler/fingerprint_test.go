@@ -24,6 +24,7 @@ func runFingerprintCLI(t *testing.T, stdin string, args ...string) (int, string,
 		ExitErrHandler: func(*urfavecli.Context, error) {},
 		Commands:       []*urfavecli.Command{fingerprintCommand()},
 	}
+	refuseUnknownSubcommands("reconciler", app.Commands) // as newApp does: usage errors exit 2
 	err := app.Run(append([]string{"reconciler", "fingerprint"}, args...))
 	if err == nil {
 		return 0, out.String(), errOut.String()

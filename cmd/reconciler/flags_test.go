@@ -17,10 +17,11 @@ import (
 func TestNormalizeArgs(t *testing.T) {
 	app := newApp(strings.NewReader(""), io.Discard, io.Discard)
 	tests := []struct{ in, want string }{
-		{"migrate up --database-url U", "migrate --database-url U up"},
-		{"--database-url U migrate status", "migrate --database-url U status"},
-		{"migrate --database-url U down", "migrate --database-url U down"},
-		{"migrate down --database-url=U", "migrate --database-url=U down"},
+		{"migrate up --database-url U", "migrate up --database-url U"},
+		{"--database-url U migrate status", "migrate status --database-url U"},
+		{"migrate --database-url U down", "migrate down --database-url U"},
+		{"migrate down --database-url=U", "migrate down --database-url=U"},
+		{"migrate --database-url U", "migrate --database-url U"},
 		{"review show 12 --json", "review show --json 12"},
 		{"--json review show 12 --database-url U", "review show --json --database-url U 12"},
 		{"review resolve 12 --as rejected --reason gone", "review resolve --as rejected --reason gone 12"},

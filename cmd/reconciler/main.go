@@ -80,7 +80,9 @@ func newApp(stdin io.Reader, stdout, stderr io.Writer) *cli.App {
 			migrateCommand(),
 			fingerprintCommand(),
 			demoCommand(),
+			simCommand(),
 			runCommand(),
+			gatewayCommand(),
 			statsCommand(),
 			benchCommand(),
 			adaptersCommand(),
@@ -246,8 +248,7 @@ func declares(flags []cli.Flag, name string) bool {
 // optionalParentFlags makes a parent command's flags optional to
 // the parser: urfave/cli checks them before it reaches the subcommand, so
 // `migrate up --help` would fail on a missing --database-url. The
-// subcommands check the value themselves (migrate refuses an empty URL with
-// exit 2).
+// subcommands check the value themselves (checkUsage).
 func optionalParentFlags(c *cli.Command) {
 	for _, f := range c.Flags {
 		if sf, ok := f.(*cli.StringFlag); ok && sf.Required {
@@ -256,30 +257,101 @@ func optionalParentFlags(c *cli.Command) {
 	}
 }
 
-// longFlagNames writes the flag in the standard library's "flag provided
-// but not defined: -name" as it was most likely typed, --name.
-func longFlagNames(msg string) string {
+// checkUsage makes a command check its usage in its action instead of in
+// urfave/cli's parser, which prints the whole help page on stdout before a
+// missing required flag's error, and which passes a command that takes no
+// argument whatever arguments it is given: a missing required flag is the
+// usage error "<command>: --name (or ENV) is required" and an argument to a
+// command that takes none (no ArgsUsage) "<command>: unexpected argument",
+// exit 2, before anything runs.
+func checkUsage(path string, c *cli.Command) {
+	var required []*cli.StringFlag
+	for _, f := range c.Flags {
+		if sf, ok := f.(*cli.StringFlag); ok && sf.Required {
+			sf.Required = false
+			required = append(required, sf)
+		}
+	}
+	if c.Action == nil {
+		return
+	}
+	action, takesArgs := c.Action, c.ArgsUsage != ""
+	c.Action = func(ctx *cli.Context) error {
+		if !takesArgs && ctx.Args().Present() {
+			return cli.Exit(fmt.Sprintf("%s: unexpected argument %q", path, ctx.Args().First()), 2)
+		}
+		for _, f := range required {
+			if strings.TrimSpace(ctx.String(f.Name)) == "" {
+				what := "--" + f.Name
+				if len(f.EnvVars) > 0 {
+					what += " (or " + strings.Join(f.EnvVars, ", ") + ")"
+				}
+				return cli.Exit(fmt.Sprintf("%s: %s is required", path, what), 2)
+			}
+		}
+		return action(ctx)
+	}
+}
+
+// usageMessage is the one line of a usage error of command c: the flag in
+// the standard library's "flag provided but not defined: -name" or
+// "invalid value "x" for flag -name: parse error" written as it was most
+// likely typed, --name, and a bad value followed by what the flag accepts.
+func usageMessage(c *cli.Command, msg string) string {
 	const undefined = "flag provided but not defined: -"
 	if rest, ok := strings.CutPrefix(msg, undefined); ok && len(rest) > 1 {
 		return undefined + "-" + rest
 	}
-	return msg
+	if rest, ok := strings.CutPrefix(msg, "invalid boolean value "); ok {
+		if value, name, ok := strings.Cut(rest, " for -"); ok {
+			name, _, _ = strings.Cut(name, ":")
+			return fmt.Sprintf("invalid value %s for flag --%s: want true or false", value, name)
+		}
+	}
+	const invalid = "invalid value "
+	value, rest, ok := strings.Cut(strings.TrimPrefix(msg, invalid), " for flag -")
+	if !strings.HasPrefix(msg, invalid) || !ok {
+		return msg
+	}
+	name, _, _ := strings.Cut(rest, ":")
+	want := "a valid value"
+	for _, f := range c.Flags {
+		if !slices.Contains(f.Names(), name) {
+			continue
+		}
+		switch f.(type) {
+		case *cli.DurationFlag:
+			want = "a duration such as 90s, 5m or 1h"
+		case *cli.IntFlag, *cli.Int64Flag, *cli.UintFlag, *cli.Uint64Flag:
+			want = "a whole number"
+		case *cli.Float64Flag:
+			want = "a number"
+		}
+	}
+	dash := "--"
+	if len(name) == 1 {
+		dash = "-" // -n, as bench settle declares it
+	}
+	return fmt.Sprintf("invalid value %s for flag %s%s: want %s", value, dash, name, want)
 }
 
 // refuseUnknownSubcommands gives every command that has subcommands but no
 // action of its own one that refuses an unknown subcommand as a usage error
 // (exit 2, one line) instead of urfave/cli's "No help topic" (exit 3), and
-// makes every usage error (unknown flag, bad value) one line, exit 2,
-// escaped by run, instead of a help page printed unescaped on stdout.
+// makes every usage error (unknown flag, bad value, missing required flag)
+// one line, exit 2, escaped by run, instead of a help page printed
+// unescaped on stdout.
 func refuseUnknownSubcommands(prefix string, cmds []*cli.Command) {
 	for _, c := range cmds {
 		path := prefix + " " + c.Name
 		if len(c.Subcommands) > 0 {
 			optionalParentFlags(c)
+		} else {
+			checkUsage(path[len("reconciler "):], c)
 		}
 		if c.OnUsageError == nil {
 			c.OnUsageError = func(_ *cli.Context, err error, _ bool) error {
-				return cli.Exit(path[len("reconciler "):]+": "+longFlagNames(err.Error()), 2)
+				return cli.Exit(path[len("reconciler "):]+": "+usageMessage(c, err.Error()), 2)
 			}
 		}
 		if len(c.Subcommands) > 0 && c.Action == nil {

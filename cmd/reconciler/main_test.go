@@ -12,8 +12,6 @@ import (
 	"github.com/receiptledger/reconciler/migrations"
 )
 
-func TestMain(m *testing.M) { pgtest.Main(m) }
-
 // runCLI runs the command line in-process and returns its exit status and output.
 func runCLI(t *testing.T, stdin string, args ...string) (int, string, string) {
 	t.Helper()

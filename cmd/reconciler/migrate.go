@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"time"
 
+	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/pressly/goose/v3"
 	"github.com/urfave/cli/v2"
@@ -16,33 +17,49 @@ func migrateCommand() *cli.Command {
 	// withProvider runs f with a goose provider over --database-url and turns
 	// its error into the command's one-line failure.
 	withProvider := func(c *cli.Context, f func(p *goose.Provider) error) error {
-		if c.String("database-url") == "" {
-			return cli.Exit("migrate: --database-url (or RECONCILER_DATABASE_URL) is empty", 2)
-		}
+		cmd := "migrate " + c.Command.Name
 		pool, err := pgxpool.New(c.Context, c.String("database-url"))
 		if err != nil {
-			return cli.Exit(fmt.Sprintf("migrate: %v", err), 1)
+			return cli.Exit(fmt.Sprintf("%s: %v", cmd, err), 1)
 		}
 		defer pool.Close()
+		// An up-to-date schema needs nothing, not even the right to
+		// create it (goose's first statement), so `migrate up` says so to
+		// any login that can read the version table.
+		if c.Command.Name == "up" && migrations.Check(c.Context, pool) == nil {
+			fmt.Fprintf(c.App.Writer, "migrations: nothing to apply, the schema is at version %d\n", migrations.Latest())
+			return nil
+		}
 		db := migrations.OpenDB(pool)
 		defer db.Close()
 		p, err := migrations.NewProvider(c.Context, db)
 		if err == nil {
 			err = f(p)
 		}
-		if err != nil {
-			return cli.Exit(fmt.Sprintf("migrate %s: %v", c.Command.Name, err), 1)
+		var pe *pgconn.PgError
+		switch {
+		case err == nil:
+			return nil
+		case errors.As(err, &pe) && pe.Code == "42501": // insufficient_privilege
+			return cli.Exit(fmt.Sprintf("%s: permission denied: login %q may not change the schema; "+
+				"migrate as the owner of the reconciler schema (the role that first ran `reconciler migrate up`), "+
+				"never as a login of docs/roles.sql: %s", cmd, pool.Config().ConnConfig.User, pe.Message), 1)
 		}
-		return nil
+		return cli.Exit(fmt.Sprintf("%s: %v", cmd, err), 1)
 	}
 	return &cli.Command{
 		Name:  "migrate",
 		Usage: "apply, roll back or list the embedded schema migrations",
+		// Every subcommand declares --database-url too, so that its --help
+		// lists it; normalizeArgs hands the flag to the subcommand wherever
+		// it was typed. The parent keeps it only so that `migrate
+		// --database-url URL` without a subcommand prints the help.
 		Flags: []cli.Flag{databaseURLFlag()},
 		Subcommands: []*cli.Command{
 			{
 				Name:  "up",
 				Usage: "apply every pending migration",
+				Flags: []cli.Flag{databaseURLFlag()},
 				Action: func(c *cli.Context) error {
 					return withProvider(c, func(p *goose.Provider) error {
 						res, err := p.Up(c.Context)
@@ -70,6 +87,7 @@ func migrateCommand() *cli.Command {
 			{
 				Name:  "down",
 				Usage: "roll back the most recent migration",
+				Flags: []cli.Flag{databaseURLFlag()},
 				Action: func(c *cli.Context) error {
 					return withProvider(c, func(p *goose.Provider) error {
 						res, err := p.Down(c.Context)
@@ -87,10 +105,8 @@ func migrateCommand() *cli.Command {
 			{
 				Name:  "status",
 				Usage: "list migrations and whether each is applied (reads only: creates nothing)",
+				Flags: []cli.Flag{databaseURLFlag()},
 				Action: func(c *cli.Context) error {
-					if c.String("database-url") == "" {
-						return cli.Exit("migrate: --database-url (or RECONCILER_DATABASE_URL) is empty", 2)
-					}
 					pool, err := pgxpool.New(c.Context, c.String("database-url"))
 					if err != nil {
 						return cli.Exit(fmt.Sprintf("migrate status: %v", err), 1)

@@ -12,7 +12,7 @@ func receiptsCommand() *cli.Command {
 			Name:      "show",
 			Usage:     "print a receipt and its whole timeline, with the evidence of every move",
 			ArgsUsage: "ID",
-			Flags:     []cli.Flag{urlFlag(), &cli.BoolFlag{Name: "json", Usage: "print JSON"}},
+			Flags:     []cli.Flag{databaseURLFlag(), &cli.BoolFlag{Name: "json", Usage: "print JSON"}},
 			Action:    func(c *cli.Context) error { return showAction(c, "receipts show") },
 		}},
 	}

@@ -7,7 +7,6 @@ import (
 	"fmt"
 	"io"
 	"os/user"
-	"slices"
 	"strconv"
 	"strings"
 	"time"
@@ -19,16 +18,6 @@ import (
 	"github.com/receiptledger/reconciler/review"
 	"github.com/receiptledger/reconciler/statemachine"
 )
-
-// urlFlag is databaseURLFlag, checked by interspersed instead of by the
-// parser: urfave/cli v2 stops parsing flags at the first argument, so in
-// `review resolve 42 --database-url URL` the parser never sees the flag and
-// would refuse the command as missing a required one.
-func urlFlag() cli.Flag {
-	f := databaseURLFlag()
-	f.Required = false
-	return f
-}
 
 func reviewCommand() *cli.Command {
 	// Flags carry parse state: each subcommand gets its own.
@@ -47,7 +36,7 @@ func reviewCommand() *cli.Command {
 				Name:  "list",
 				Usage: "list receipts held in manual_review, the longest held first",
 				Flags: []cli.Flag{
-					urlFlag(),
+					databaseURLFlag(),
 					&cli.StringFlag{Name: "operation", Usage: "only this operation"},
 					&cli.StringFlag{Name: "dependency", Usage: "only this dependency"},
 					&cli.StringFlag{Name: "older-than", Usage: "only receipts held at least this long (e.g. 30m, 48h, 2d)"},
@@ -60,7 +49,7 @@ func reviewCommand() *cli.Command {
 				Name:      "show",
 				Usage:     "print a receipt and its whole timeline",
 				ArgsUsage: "ID",
-				Flags:     []cli.Flag{urlFlag(), &cli.BoolFlag{Name: "json", Usage: "print JSON"}},
+				Flags:     []cli.Flag{databaseURLFlag(), &cli.BoolFlag{Name: "json", Usage: "print JSON"}},
 				Action:    func(c *cli.Context) error { return showAction(c, "review show") },
 			},
 			{
@@ -68,7 +57,7 @@ func reviewCommand() *cli.Command {
 				Usage:     "settle a held receipt as succeeded, safe_to_retry or rejected",
 				ArgsUsage: "ID --as STATE --reason REASON",
 				Flags: []cli.Flag{
-					urlFlag(),
+					databaseURLFlag(),
 					&cli.StringFlag{Name: "as", Usage: "succeeded, safe_to_retry or rejected (required)"},
 					reason(), operator(),
 					&cli.StringFlag{Name: "external-id", Usage: "the external id you found, recorded with the move"},
@@ -79,7 +68,7 @@ func reviewCommand() *cli.Command {
 				Name:      "requeue",
 				Usage:     "send a held receipt back to outcome_unknown for the reconciler to check again",
 				ArgsUsage: "ID --reason REASON",
-				Flags:     []cli.Flag{urlFlag(), reason(), operator()},
+				Flags:     []cli.Flag{databaseURLFlag(), reason(), operator()},
 				Action:    reviewRequeueAction,
 			},
 		},
@@ -88,13 +77,6 @@ func reviewCommand() *cli.Command {
 
 func reviewListAction(c *cli.Context) error {
 	const cmd = "review list"
-	args, err := interspersed(c, cmd)
-	if err != nil {
-		return err
-	}
-	if len(args) > 0 {
-		return cli.Exit(fmt.Sprintf("%s: unexpected argument %q", cmd, args[0]), 2)
-	}
 	if c.Int("limit") <= 0 {
 		return cli.Exit(fmt.Sprintf("%s: --limit must be positive", cmd), 2)
 	}
@@ -228,13 +210,10 @@ func operatorName(flag string) (string, error) {
 	return strings.TrimSpace(u.Username), nil
 }
 
-// receiptID parses the flags mixed with the arguments and the single ID
-// argument.
+// receiptID parses the single ID argument (normalizeArgs has moved every
+// flag typed after it before it; what follows "--" is an argument).
 func receiptID(c *cli.Context, cmd string) (int64, error) {
-	args, err := interspersed(c, cmd)
-	if err != nil {
-		return 0, err
-	}
+	args := c.Args().Slice()
 	if len(args) != 1 {
 		return 0, cli.Exit(fmt.Sprintf("%s: want exactly one receipt ID, got %d argument(s)", cmd, len(args)), 2)
 	}
@@ -243,52 +222,6 @@ func receiptID(c *cli.Context, cmd string) (int64, error) {
 		return 0, cli.Exit(fmt.Sprintf("%s: %q is not a receipt ID", cmd, args[0]), 2)
 	}
 	return id, nil
-}
-
-// interspersed sets the command's flags that follow its first argument
-// (urfave/cli v2 leaves them in the arguments), returns the remaining
-// arguments, and checks that a database URL was given. "--" ends the flags.
-func interspersed(c *cli.Context, cmd string) ([]string, error) {
-	var args []string
-	rest := c.Args().Slice()
-	for len(rest) > 0 {
-		tok := rest[0]
-		rest = rest[1:]
-		if tok == "--" {
-			args = append(args, rest...)
-			break
-		}
-		if len(tok) < 2 || tok[0] != '-' {
-			args = append(args, tok)
-			continue
-		}
-		name, value, hasValue := strings.Cut(strings.TrimLeft(tok, "-"), "=")
-		var f cli.Flag
-		for _, cand := range c.Command.Flags {
-			if slices.Contains(cand.Names(), name) {
-				f = cand
-			}
-		}
-		switch {
-		case f == nil:
-			return nil, cli.Exit(fmt.Sprintf("%s: flag provided but not defined: %s", cmd, tok), 2)
-		case !hasValue:
-			if _, isBool := f.(*cli.BoolFlag); isBool {
-				value = "true"
-			} else if len(rest) == 0 {
-				return nil, cli.Exit(fmt.Sprintf("%s: flag needs an argument: %s", cmd, tok), 2)
-			} else {
-				value, rest = rest[0], rest[1:]
-			}
-		}
-		if err := c.Set(name, value); err != nil {
-			return nil, cli.Exit(fmt.Sprintf("%s: invalid value %q for flag %s: %v", cmd, value, tok, err), 2)
-		}
-	}
-	if c.String("database-url") == "" {
-		return nil, cli.Exit(fmt.Sprintf("%s: --database-url (or RECONCILER_DATABASE_URL) is required", cmd), 2)
-	}
-	return args, nil
 }
 
 // openPool connects to --database-url and checks, reading only, that the

@@ -95,6 +95,9 @@ func runCommand() *cli.Command {
 
 func runAction(c *cli.Context) error {
 	ctx := c.Context
+	if err := checkRunFlags(c); err != nil {
+		return err
+	}
 	var level slog.Level
 	if err := level.UnmarshalText([]byte(c.String("log-level"))); err != nil {
 		return cli.Exit(fmt.Sprintf("run: --log-level: %v", err), 2)
@@ -120,8 +123,12 @@ func runAction(c *cli.Context) error {
 	// runs so only when asked with --no-adapters, never because the file
 	// was forgotten, empty or truncated.
 	adaptersPath, noAdapters := c.String("adapters"), c.Bool("no-adapters")
+	var deps map[string]readback.DependencyLimits
 	if adaptersPath != "" {
-		_, err := httpadapter.LoadFile(adaptersPath, nil)
+		reg, err := httpadapter.LoadFile(adaptersPath, nil)
+		if err == nil {
+			deps = reg.Dependencies()
+		}
 		switch {
 		case noAdapters && errors.Is(err, readback.ErrNoAdapters):
 			adaptersPath = "" // the file agrees: no adapters
@@ -132,6 +139,16 @@ func runAction(c *cli.Context) error {
 		}
 	} else if !noAdapters {
 		return cli.Exit("run: no --adapters file: pass one, or --no-adapters to run without adapters (every receipt then goes to manual_review)", 2)
+	}
+	// The protection of each dependency, from the flags and the file's
+	// dependencies block, is checked before anything connects too.
+	pcfg, err := protectConfig(instance, flagPolicy(c), adaptersPath, deps)
+	if err != nil {
+		var ce *readback.ConfigError
+		if errors.As(err, &ce) {
+			return cli.Exit(fmt.Sprintf("run: %v", err), 1) // the adapters file
+		}
+		return cli.Exit(fmt.Sprintf("run: %v", err), 2) // the flags
 	}
 
 	db, err := pgxpool.New(ctx, c.String("database-url"))
@@ -184,14 +201,6 @@ func runAction(c *cli.Context) error {
 		StalePlannedAfter: c.Duration("stale-planned-after"),
 		GracePeriod:       c.Duration("grace-period"),
 	}
-	pcfg, err := protectConfig(instance, flagPolicy(c), adaptersPath, reg.Dependencies())
-	if err != nil {
-		var ce *readback.ConfigError
-		if errors.As(err, &ce) {
-			return cli.Exit(fmt.Sprintf("run: %v", err), 1) // the adapters file
-		}
-		return cli.Exit(fmt.Sprintf("run: %v", err), 2) // the flags
-	}
 	guard, err := protect.New(protect.NewPGStore(db), pcfg, clock, logger)
 	if err != nil {
 		return cli.Exit(fmt.Sprintf("run: %v", err), 2)
@@ -228,6 +237,32 @@ func runAction(c *cli.Context) error {
 		return cli.Exit(fmt.Sprintf("run: %v", err), 1)
 	}
 	logger.Info("reconciler stopped", "claimed", sum.Claimed, "settled", total(sum.Settled), "waiting", sum.Waiting)
+	return nil
+}
+
+// checkRunFlags refuses, as usage errors naming the flag, the values of
+// run's flags that the pool would refuse later with a message naming none
+// or, for 0, silently replace with its default.
+func checkRunFlags(c *cli.Context) error {
+	for _, name := range []string{"workers", "batch-size", "dependency-concurrency", "dependency-burst"} {
+		if c.Int(name) < 1 {
+			return cli.Exit(fmt.Sprintf("run: --%s must be at least 1, got %d", name, c.Int(name)), 2)
+		}
+	}
+	if c.Int("breaker-failures") < 0 {
+		return cli.Exit(fmt.Sprintf("run: --breaker-failures must not be negative (0: off), got %d", c.Int("breaker-failures")), 2)
+	}
+	if r := c.Float64("dependency-rate"); !(r > 0) {
+		return cli.Exit(fmt.Sprintf("run: --dependency-rate must be positive (calls per second), got %v", r), 2)
+	}
+	for _, name := range []string{"lease", "check-timeout", "poll-interval", "stale-planned-after", "grace-period", "breaker-cooldown"} {
+		if c.Duration(name) <= 0 {
+			return cli.Exit(fmt.Sprintf("run: --%s must be positive, got %s", name, c.Duration(name)), 2)
+		}
+	}
+	if c.Duration("orphan-timeout") == 0 {
+		return cli.Exit("run: --orphan-timeout must not be 0 (a negative value disables the orphan sweep)", 2)
+	}
 	return nil
 }
 

@@ -7,7 +7,6 @@ import (
 	"log/slog"
 	"net"
 	"net/http"
-	"net/url"
 	"os"
 	"path/filepath"
 	"regexp"
@@ -15,7 +14,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/jackc/pgx/v5"
 	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/receiptledger/reconciler/internal/pgtest"
@@ -189,133 +187,6 @@ func readyz(t *testing.T, url string) string {
 	defer resp.Body.Close()
 	b, _ := io.ReadAll(resp.Body)
 	return fmt.Sprintf("%d %s", resp.StatusCode, b)
-}
-
-// roleURLs applies docs/roles.sql to url's database and returns a URL
-// logging in as a new member of each role.
-func roleURLs(t *testing.T, dbURL string) map[string]string {
-	t.Helper()
-	ctx := context.Background()
-	owner := pgtest.Pool(t, dbURL)
-	sql, err := os.ReadFile("../../docs/roles.sql")
-	if err != nil {
-		t.Fatal(err)
-	}
-	if _, err := owner.Exec(ctx, string(sql)); err != nil {
-		t.Fatalf("apply docs/roles.sql: %v", err)
-	}
-	urls := map[string]string{}
-	for _, role := range []string{"agent", "worker", "reviewer", "readonly", "none"} {
-		name, pw := "ct_"+role+"_"+fmt.Sprint(time.Now().UnixNano()%1e9), "pw"+fmt.Sprint(time.Now().UnixNano())
-		in := " IN ROLE " + pgx.Identifier{"reconciler_" + role}.Sanitize()
-		if role == "none" { // a login in no role of docs/roles.sql
-			in = ""
-		}
-		if _, err := owner.Exec(ctx, fmt.Sprintf(`CREATE ROLE %s LOGIN PASSWORD '%s'%s`,
-			pgx.Identifier{name}.Sanitize(), pw, in)); err != nil {
-			t.Fatal(err)
-		}
-		t.Cleanup(func() {
-			id := pgx.Identifier{name}.Sanitize()
-			for _, q := range []string{`DROP OWNED BY ` + id, `DROP ROLE ` + id} {
-				if _, err := owner.Exec(ctx, q); err != nil {
-					t.Logf("cleanup %s: %v", q, err)
-				}
-			}
-		})
-		u, err := url.Parse(dbURL)
-		if err != nil {
-			t.Fatal(err)
-		}
-		u.User = url.UserPassword(name, pw)
-		urls[role] = u.String()
-	}
-	return urls
-}
-
-// Issue 10, item 1: every runtime command runs under the role of
-// docs/roles.sql it is documented for, and outside it is refused with one
-// line saying the login lacks the right.
-func TestCommandsUnderRoles(t *testing.T) {
-	t.Setenv("RECONCILER_OPERATOR", "")
-	dbURL := pgtest.NewDatabase(t)
-	owner := pgtest.Pool(t, dbURL)
-	held := heldReceipt(t, owner, "articles.create", "blog", 1)
-	held2 := heldReceipt(t, owner, "articles.create", "blog", 2)
-	unknownReceipt(t, owner, "articles.create", "blog", 3)
-	urls := roleURLs(t, dbURL)
-	adapters := staticAdapters(t)
-	id, id2 := fmt.Sprint(held), fmt.Sprint(held2)
-	type want struct {
-		code     int
-		contains string
-	}
-	ok := want{0, ""}
-	tests := []struct {
-		name  string
-		args  func(url string) []string
-		roles map[string]want
-	}{
-		{"stats", func(u string) []string { return []string{"stats", "--database-url", u} }, map[string]want{
-			"readonly": ok, "worker": ok, "reviewer": ok,
-			"agent": {1, "may not read the backlog"},
-			"none":  {1, "cannot read the schema version (reconciler.goose_db_version)"},
-		}},
-		{"receipts show", func(u string) []string { return []string{"receipts", "show", "--database-url", u, id} }, map[string]want{
-			"readonly": ok, "reviewer": ok,
-			"worker": {1, "may not read receipts"}, "agent": {1, "may not read receipts"},
-		}},
-		{"review list", func(u string) []string { return []string{"review", "list", "--database-url", u} }, map[string]want{
-			"reviewer": ok, "readonly": ok,
-			"worker": {1, "may not read receipts"}, "agent": {1, "may not read receipts"},
-		}},
-		{"adapters check --receipt", func(u string) []string {
-			return []string{"adapters", "check", "--config", adapters, "--database-url", u, "--receipt", id2}
-		}, map[string]want{
-			"reviewer": ok, "readonly": ok,
-			"worker": {1, "may not read receipts"}, "agent": {1, "may not read receipts"},
-		}},
-		// Outside its role first: a refused move changes nothing, so the
-		// reviewer still finds the receipt held.
-		{"review resolve", func(u string) []string {
-			return []string{"review", "resolve", "--database-url", u, "--as", "succeeded", "--reason", "found it", "--operator", "t", id}
-		}, map[string]want{
-			"readonly": {1, "may not move held receipts (docs/roles.sql grants that to reconciler_reviewer)"},
-			"worker":   {1, "may not move held receipts"},
-			"agent":    {1, "only a member of reconciler_reviewer may leave manual_review"},
-		}},
-		{"review resolve", func(u string) []string {
-			return []string{"review", "resolve", "--database-url", u, "--as", "succeeded", "--reason", "found it", "--operator", "t", id}
-		}, map[string]want{"reviewer": ok}},
-		{"run --once", func(u string) []string {
-			return []string{"run", "--once", "--adapters", adapters, "--instance", "t", "--database-url", u}
-		}, map[string]want{
-			"worker":   ok,
-			"readonly": {1, "may not claim and settle receipts (docs/roles.sql grants that to reconciler_worker)"},
-			"reviewer": {1, "may not claim and settle receipts"},
-			"agent":    {1, "may not claim and settle receipts"},
-		}},
-	}
-	for _, tt := range tests {
-		for _, role := range []string{"readonly", "agent", "worker", "reviewer", "none"} {
-			w, listed := tt.roles[role]
-			if !listed {
-				continue
-			}
-			code, out, errOut := runCLI(t, "", tt.args(urls[role])...)
-			name := tt.name + " as " + role
-			if w.code == 0 {
-				if code != 0 {
-					t.Errorf("%s: exit %d, stdout %q, stderr %q", name, code, out, errOut)
-				}
-				continue
-			}
-			wantOneLine(t, name, code, out, errOut, w.code, w.contains)
-			if strings.Contains(errOut, "illegal transition: illegal transition") {
-				t.Errorf("%s: %q says it twice", name, errOut)
-			}
-		}
-	}
 }
 
 // Issue 10, item 8: the daemon's backlog gauges are right from the start,

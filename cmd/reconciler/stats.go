@@ -23,9 +23,6 @@ func statsCommand() *cli.Command {
 			&cli.BoolFlag{Name: "json", Usage: "print JSON instead of name=value lines"},
 		},
 		Action: func(c *cli.Context) error {
-			if c.Args().Present() {
-				return cli.Exit(fmt.Sprintf("stats: unexpected argument %q", c.Args().First()), 2)
-			}
 			db, err := pgxpool.New(c.Context, c.String("database-url"))
 			if err != nil {
 				return cli.Exit(fmt.Sprintf("stats: %v", err), 1)

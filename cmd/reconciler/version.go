@@ -33,9 +33,6 @@ func versionCommand() *cli.Command {
 		Usage: "print the version, commit and Go version of this binary and the schema version it needs",
 		Flags: []cli.Flag{&cli.BoolFlag{Name: "json", Usage: "print JSON"}},
 		Action: func(c *cli.Context) error {
-			if c.Args().Present() {
-				return cli.Exit(fmt.Sprintf("version: unexpected argument %q", c.Args().First()), 2)
-			}
 			v, err := readVersion()
 			if err != nil {
 				return cli.Exit("version: "+err.Error(), 1)

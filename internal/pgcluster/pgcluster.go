@@ -23,6 +23,8 @@ type Cluster struct {
 	dir  string
 	bin  string
 	cred *syscall.Credential
+	// opts are the server options Start used, for Resume.
+	opts string
 }
 
 // Start runs initdb and postgres from the newest local server binaries
@@ -64,8 +66,8 @@ func Start() (*Cluster, error) {
 		os.RemoveAll(dir)
 		return nil, err
 	}
-	opts := fmt.Sprintf("-p %d -k %s -c listen_addresses=127.0.0.1 -c max_connections=300 -c shared_buffers=256MB", port, dir)
-	if err := c.run("pg_ctl", "-D", data, "-l", filepath.Join(dir, "log"), "-w", "-t", "60", "-o", opts, "start"); err != nil {
+	c.opts = fmt.Sprintf("-p %d -k %s -c listen_addresses=127.0.0.1 -c max_connections=300 -c shared_buffers=256MB", port, dir)
+	if err := c.Resume(); err != nil {
 		os.RemoveAll(dir)
 		return nil, err
 	}
@@ -86,6 +88,19 @@ func (c *Cluster) Stop() error {
 		err = rerr
 	}
 	return err
+}
+
+// Pause stops the server as a crash would (immediate shutdown: clients see
+// their connections cut) and keeps its files, for tests of a database
+// outage; Resume starts it again.
+func (c *Cluster) Pause() error {
+	return c.run("pg_ctl", "-D", filepath.Join(c.dir, "data"), "-m", "immediate", "-w", "stop")
+}
+
+// Resume starts the server, on the port and with the files it had: after
+// Pause, it recovers from the crash and serves the same databases.
+func (c *Cluster) Resume() error {
+	return c.run("pg_ctl", "-D", filepath.Join(c.dir, "data"), "-l", filepath.Join(c.dir, "log"), "-w", "-t", "60", "-o", c.opts, "start")
 }
 
 func (c *Cluster) run(name string, args ...string) error {

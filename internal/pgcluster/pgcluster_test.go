@@ -51,3 +51,39 @@ func TestReapOrphans(t *testing.T) {
 	}
 	conn.Close(ctx)
 }
+
+// Pause stops the server as a crash would and Resume brings it back on the
+// same URL with its data: what the fault tests' database outage relies on.
+func TestPauseResume(t *testing.T) {
+	c, err := Start()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Stop()
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	exec := func(sql string) error {
+		conn, err := pgx.Connect(ctx, c.URL)
+		if err != nil {
+			return err
+		}
+		defer conn.Close(ctx)
+		_, err = conn.Exec(ctx, sql)
+		return err
+	}
+	if err := exec(`CREATE TABLE kept (x int); INSERT INTO kept VALUES (1)`); err != nil {
+		t.Fatal(err)
+	}
+	if err := c.Pause(); err != nil {
+		t.Fatal(err)
+	}
+	if err := exec(`SELECT 1`); err == nil {
+		t.Fatal("a paused cluster answers")
+	}
+	if err := c.Resume(); err != nil {
+		t.Fatal(err)
+	}
+	if err := exec(`DO $$ BEGIN PERFORM 1 FROM kept WHERE x = 1; IF NOT FOUND THEN RAISE 'row lost'; END IF; END $$`); err != nil {
+		t.Fatalf("after Resume: %v", err)
+	}
+}

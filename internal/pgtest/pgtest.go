@@ -58,6 +58,13 @@ var shared server
 // Main runs the package's tests and then stops any server this process
 // started. Call it from TestMain: func TestMain(m *testing.M) { pgtest.Main(m) }.
 func Main(m *testing.M) {
+	os.Exit(Run(m))
+}
+
+// Run is Main without the exit, for a TestMain that hands the tests to a
+// runner which exits itself (testscript.Main): it runs m, stops any server
+// this process started and returns m's exit code.
+func Run(m interface{ Run() int }) int {
 	code := m.Run()
 	if shared.template != "" && shared.stop == nil {
 		// A server the caller runs outlives this process: leave it
@@ -67,7 +74,7 @@ func Main(m *testing.M) {
 	if shared.stop != nil {
 		shared.stop()
 	}
-	os.Exit(code)
+	return code
 }
 
 // AdminURL returns the URL of the maintenance database of the test server,

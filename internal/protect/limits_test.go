@@ -81,6 +81,54 @@ func TestConcurrencyLimit(t *testing.T) {
 	h.deferral("api", First, ReasonConcurrency)
 }
 
+// Issue 9: a call refused only for want of a slot waits for one, up to the
+// busy delay, rather than being deferred at once; a call refused for any
+// other reason (here the rate limit) is deferred at once, as by Acquire.
+func TestAcquireWaitTakesTheNextFreeSlot(t *testing.T) {
+	h := newHarness(t, func(c *Config) {
+		c.Default.Concurrency.MaxInFlight = 1
+		c.Default.Concurrency.BusyDelay = 50 * time.Millisecond // on the fake clock: a real 50 ms timer
+	})
+	held := h.permit("api", First)
+	got := make(chan error, 1)
+	go func() {
+		p, err := h.g.AcquireWait(context.Background(), "api", First)
+		if err == nil {
+			p.Done(Success, 0)
+		}
+		got <- err
+	}()
+	// The waiter cannot have its permit while held is in flight; once held
+	// is done, it takes the slot (however late it got to wait: its channel
+	// is taken before it asks).
+	held.Done(Success, 0)
+	if err := <-got; err != nil {
+		t.Fatalf("waiter: %v, want the freed slot", err)
+	}
+
+	held = h.permit("api", First)
+	_, err := h.g.AcquireWait(context.Background(), "api", First)
+	var d *Deferral
+	if !errors.As(err, &d) || d.Reason != ReasonConcurrency {
+		t.Fatalf("no slot freed within the busy delay: %v, want a concurrency deferral", err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	cancel()
+	if _, err := h.g.AcquireWait(ctx, "api", First); !errors.Is(err, context.Canceled) {
+		t.Fatalf("cancelled: %v", err)
+	}
+	held.Done(Success, 0)
+
+	r := newHarness(t, func(c *Config) {
+		c.Default.Rate.Limit = 1
+		c.Default.Rate.Burst = 1
+	})
+	r.permit("api", First).Done(Success, 0)
+	if _, err := r.g.AcquireWait(context.Background(), "api", First); !errors.As(err, &d) || d.Reason != ReasonRateLimited {
+		t.Fatalf("rate limited: %v, want a rate deferral at once", err)
+	}
+}
+
 func TestRateLimit(t *testing.T) {
 	h := newHarness(t, func(c *Config) {
 		c.Default.Rate.Limit = 2 // one token per 500ms

@@ -314,6 +314,10 @@ type dependency struct {
 	// it was last multiplied down.
 	limit        float64
 	lastDecrease time.Time
+
+	// freed is closed (and dropped) when a permit is done, waking the
+	// callers of AcquireWait waiting for a slot; nil while nobody waits.
+	freed chan struct{}
 }
 
 // maxInFlight is the concurrency limit in force: the adaptive limit,
@@ -392,6 +396,55 @@ func (g *Guard) Acquire(ctx context.Context, dep string, kind Kind) (*Permit, er
 		return nil, def
 	}
 	return p, nil
+}
+
+// AcquireWait is Acquire, except that a call refused only because the
+// dependency's concurrency limit (or its limit lowered in degraded mode) is
+// in use waits for a call of dep to end, up to the deferral's Until (the
+// configured busy or degraded delay), and tries again, instead of being
+// deferred at once. A slot of a healthy dependency frees within one call's
+// latency, so a caller that holds its work (a leased row) and more workers
+// than the dependency's limit uses each slot as it frees, rather than
+// putting the work back for a whole delay and an extra round trip. Every
+// other refusal returns at once, like Acquire's.
+func (g *Guard) AcquireWait(ctx context.Context, dep string, kind Kind) (*Permit, error) {
+	var until time.Time
+	for {
+		freed := g.freed(dep)
+		p, err := g.Acquire(ctx, dep, kind)
+		var d *Deferral
+		if !errors.As(err, &d) || (d.Reason != ReasonConcurrency && d.Reason != ReasonDegraded) {
+			return p, err
+		}
+		if until.IsZero() {
+			until = d.Until
+		}
+		wait := until.Sub(g.clock.Now())
+		if wait <= 0 {
+			return nil, d
+		}
+		t := time.NewTimer(wait)
+		select {
+		case <-freed:
+			t.Stop()
+		case <-t.C:
+			return nil, d
+		case <-ctx.Done():
+			t.Stop()
+			return nil, ctx.Err()
+		}
+	}
+}
+
+// freed returns the channel closed when the next permit of dep is done.
+func (g *Guard) freed(dep string) <-chan struct{} {
+	d := g.dependency(dep)
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	if d.freed == nil {
+		d.freed = make(chan struct{})
+	}
+	return d.freed
 }
 
 // refreshShared re-reads d's shared row if the cached copy is older than
@@ -604,6 +657,10 @@ func (p *Permit) Done(outcome Outcome, retryAfter time.Duration) {
 
 	d.mu.Lock()
 	d.inFlight--
+	if d.freed != nil {
+		close(d.freed)
+		d.freed = nil
+	}
 	if retryAfter > 0 {
 		ra := min(retryAfter, d.policy.Rate.MaxRetryAfter)
 		if until := now.Add(ra); until.After(d.retryAfterUntil) {

@@ -1,0 +1,138 @@
+package main
+
+import (
+	"context"
+	"fmt"
+	"io"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/urfave/cli/v2"
+
+	"github.com/receiptledger/reconciler/internal/pgcluster"
+	"github.com/receiptledger/reconciler/migrations"
+)
+
+// benchServerFlag is --database-url for the benches that can start their
+// own server: optional, unlike the other commands'.
+func benchServerFlag() *cli.StringFlag {
+	return &cli.StringFlag{
+		Name: "database-url",
+		Usage: "server to create the bench's scratch database on (the role needs CREATEDB; the " +
+			"database is dropped at the end); default: a throwaway cluster from the local server binaries",
+		EnvVars: []string{"RECONCILER_DATABASE_URL"},
+	}
+}
+
+// benchDB is a migrated database of a bench's own.
+type benchDB struct {
+	// URL connects to it.
+	URL string
+	// Name is its name, printed by bench settle --keep.
+	Name string
+	drop func()
+}
+
+// Close drops the database (or stops the throwaway cluster). It runs even
+// after an interrupt: the bench's context is not used.
+func (b *benchDB) Close() { b.drop() }
+
+// openBenchDB creates and migrates a database named reconciler_bench_<random>
+// on the server serverURL names, so the bench never mixes with a real
+// ledger's receipts and two runs never meet; with serverURL empty it starts
+// a throwaway cluster instead (when local server binaries exist). With keep,
+// the database is left in place. Progress goes to log.
+func openBenchDB(ctx context.Context, log io.Writer, serverURL string, keep bool) (*benchDB, error) {
+	stop := func() {}
+	if serverURL == "" {
+		fmt.Fprintln(log, "starting a throwaway Postgres cluster from the local server binaries ...")
+		cluster, err := pgcluster.Start()
+		if err != nil {
+			return nil, fmt.Errorf("no --database-url and no local cluster: %w", err)
+		}
+		serverURL, keep = cluster.URL, false
+		stop = func() { _ = cluster.Stop() }
+	}
+	admin, err := pgx.Connect(ctx, serverURL)
+	if err != nil {
+		stop()
+		return nil, fmt.Errorf("connect: %w", err)
+	}
+	name := "reconciler_bench_" + randomHex(6)
+	if _, err := admin.Exec(ctx, "CREATE DATABASE "+name); err != nil {
+		admin.Close(context.WithoutCancel(ctx))
+		stop()
+		return nil, fmt.Errorf("create database (the role needs CREATEDB): %w", err)
+	}
+	b := &benchDB{Name: name, drop: func() {
+		bg, cancel := context.WithTimeout(context.WithoutCancel(ctx), 30*time.Second)
+		defer cancel()
+		if !keep {
+			if _, err := admin.Exec(bg, "DROP DATABASE IF EXISTS "+name+" WITH (FORCE)"); err != nil {
+				fmt.Fprintf(log, "could not drop database %s: %v\n", name, err)
+			}
+		}
+		admin.Close(bg)
+		stop()
+	}}
+	if b.URL, err = withDatabase(serverURL, name); err != nil {
+		b.Close()
+		return nil, err
+	}
+	db, err := pgxpool.New(ctx, b.URL)
+	if err != nil {
+		b.Close()
+		return nil, err
+	}
+	defer db.Close()
+	if err := migrations.Up(ctx, db); err != nil {
+		b.Close()
+		return nil, err
+	}
+	return b, nil
+}
+
+// benchPool opens a pool on url with room for conns concurrent users, so
+// that agents measure the database and not a wait for a connection.
+func benchPool(ctx context.Context, url string, conns int) (*pgxpool.Pool, error) {
+	cfg, err := pgxpool.ParseConfig(url)
+	if err != nil {
+		return nil, err
+	}
+	cfg.MaxConns = int32(max(conns, 4))
+	return pgxpool.NewWithConfig(ctx, cfg)
+}
+
+// parseList splits a comma-separated flag value and parses each item.
+func parseList[T any](flag, raw string, parse func(string) (T, error)) ([]T, error) {
+	var out []T
+	for item := range strings.SplitSeq(raw, ",") {
+		v, err := parse(strings.TrimSpace(item))
+		if err != nil {
+			return nil, fmt.Errorf("--%s: %q: %w", flag, item, err)
+		}
+		out = append(out, v)
+	}
+	return out, nil
+}
+
+// positiveInt parses a whole number of at least 1.
+func positiveInt(s string) (int, error) {
+	n, err := strconv.Atoi(s)
+	if err == nil && n < 1 {
+		err = fmt.Errorf("must be at least 1")
+	}
+	return n, err
+}
+
+// positiveDuration parses a Go duration greater than zero.
+func positiveDuration(s string) (time.Duration, error) {
+	d, err := time.ParseDuration(s)
+	if err == nil && d <= 0 {
+		err = fmt.Errorf("must be positive")
+	}
+	return d, err
+}

@@ -1,0 +1,106 @@
+package main
+
+import (
+	"errors"
+	"fmt"
+	"log/slog"
+	"net"
+	"net/http"
+	"os"
+	"time"
+
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/collectors"
+	"github.com/prometheus/client_golang/prometheus/promhttp"
+	"github.com/urfave/cli/v2"
+
+	"github.com/receiptledger/reconciler/gateway"
+	"github.com/receiptledger/reconciler/ledger"
+)
+
+// callThrough: `gateway`, which plans and moves receipts as the agents and
+// keeps their responses for replays.
+var callThrough = access{"plan and move receipts and keep the gateway's responses",
+	"reconciler_agent",
+	`has_table_privilege('reconciler.receipts', 'SELECT') AND has_column_privilege('reconciler.receipts', 'state', 'UPDATE')
+	 AND has_table_privilege('reconciler.gateway_responses', 'INSERT')`}
+
+func gatewayCommand() *cli.Command {
+	return &cli.Command{
+		Name:  "gateway",
+		Usage: "serve the receipt gateway: agents in any language call APIs through it and get the ledger's protection",
+		Description: "A reverse proxy for side effects, configured by a routes file. Each side-effecting call " +
+			"is planned, recorded submitted and forwarded through the ledger; the answer carries Receipt-Id and " +
+			"Receipt-State, or a problem document (RFC 9457) saying what the agent may do next. " +
+			"GET /receipts/{id}?wait=30s waits for a settlement; /openapi.json documents the endpoints; " +
+			"/metrics serves Prometheus metrics.",
+		Flags: []cli.Flag{
+			databaseURLFlag(),
+			&cli.StringFlag{Name: "config", Required: true, EnvVars: []string{"RECONCILER_GATEWAY_CONFIG"},
+				Usage: "routes file (YAML): agents, their tokens, routes, upstream credentials"},
+			&cli.StringFlag{Name: "listen", EnvVars: []string{"RECONCILER_GATEWAY_LISTEN"},
+				Usage: "address to listen on (default: the file's listen, else " + gateway.DefaultListen + ")"},
+			&cli.DurationFlag{Name: "grace-period", Value: 20 * time.Second, EnvVars: []string{"RECONCILER_GRACE_PERIOD"},
+				Usage: "on SIGTERM/SIGINT, how long calls in flight may finish"},
+			&cli.StringFlag{Name: "log-level", Value: "info", EnvVars: []string{"RECONCILER_LOG_LEVEL"},
+				Usage: "debug, info, warn or error"},
+		},
+		Action: gatewayAction,
+	}
+}
+
+func gatewayAction(c *cli.Context) error {
+	ctx := c.Context
+	var level slog.Level
+	if err := level.UnmarshalText([]byte(c.String("log-level"))); err != nil {
+		return cli.Exit(fmt.Sprintf("gateway: --log-level: %v", err), 2)
+	}
+	logger := slog.New(slog.NewJSONHandler(jsonLines{c.App.ErrWriter}, &slog.HandlerOptions{Level: level}))
+	cfg, err := gateway.LoadConfig(c.String("config"), os.LookupEnv)
+	if err != nil {
+		return cli.Exit(fmt.Sprintf("gateway: %v", err), 1)
+	}
+	if l := c.String("listen"); l != "" {
+		cfg.Listen = l
+	}
+	db, err := pgxpool.New(ctx, c.String("database-url"))
+	if err != nil {
+		return cli.Exit(fmt.Sprintf("gateway: database: %v", err), 1)
+	}
+	defer db.Close()
+	if err := checkLedger(ctx, "gateway", db, callThrough); err != nil {
+		return err
+	}
+	client, err := ledger.New(db, "agent:gateway")
+	if err != nil {
+		return cli.Exit(fmt.Sprintf("gateway: %v", err), 1)
+	}
+	if client, err = client.SecretKeyFromEnv(os.Getenv); err != nil {
+		return cli.Exit(fmt.Sprintf("gateway: %v", err), 1)
+	}
+	reg := prometheus.NewRegistry()
+	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
+	g := gateway.New(client, cfg, gateway.Options{Logger: logger, Metrics: gateway.NewMetrics(reg)})
+	metrics := promhttp.HandlerFor(reg, promhttp.HandlerOpts{})
+	handler := http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if r.URL.Path == "/metrics" && r.Method == http.MethodGet {
+			metrics.ServeHTTP(w, r)
+			return
+		}
+		g.ServeHTTP(w, r)
+	})
+	l, err := net.Listen("tcp", cfg.Listen)
+	if err != nil {
+		return cli.Exit(fmt.Sprintf("gateway: listen: %v", err), 1)
+	}
+	if host, _, _ := net.SplitHostPort(l.Addr().String()); !net.ParseIP(host).IsLoopback() {
+		logger.Warn("the gateway listens beyond this host: every agent that can reach it needs only a token", "addr", l.Addr().String())
+	}
+	logger.Info("gateway started", "addr", l.Addr().String(), "routes", len(cfg.Routes), "agents", len(cfg.Agents))
+	if err := g.Run(ctx, l, handler, c.Duration("grace-period")); err != nil && !errors.Is(err, http.ErrServerClosed) {
+		return cli.Exit(fmt.Sprintf("gateway: %v", err), 1)
+	}
+	logger.Info("gateway stopped")
+	return nil
+}

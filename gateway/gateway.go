@@ -1,0 +1,646 @@
+// Package gateway is the receipt gateway: a reverse proxy for side effects
+// that gives agents in any language the ledger's protection with one change,
+// their base URL.
+//
+// An agent calls POST http://localhost:7070/<prefix>/<path> with an
+// Idempotency-Key header and its bearer token. The gateway plans the
+// receipt, records it submitted, forwards the request through
+// ledger.Caller.Do (which knows whether any byte left, SPEC §4), settles it,
+// and answers with the upstream's response plus Receipt-Id and Receipt-State
+// headers, or, when the outcome is unknown, with a problem document (RFC
+// 9457) that says not to retry and where to wait. The same key sent again is
+// answered from the ledger: the recorded response once settled, "still
+// unknown" while unknown, and the next attempt once absence is proven.
+//
+// Upstream credentials live in the gateway's routes file only; the agent's
+// Authorization is never forwarded unless a route allows it. Only
+// configured routes reach only their upstream, redirects are never
+// followed, and bodies are bounded both ways.
+package gateway
+
+import (
+	"bytes"
+	"context"
+	"crypto/sha256"
+	"encoding/hex"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"mime"
+	"net"
+	"net/http"
+	"net/http/httptrace"
+	"net/url"
+	"strconv"
+	"strings"
+	"sync/atomic"
+	"time"
+
+	"github.com/receiptledger/reconciler/ledger"
+	"github.com/receiptledger/reconciler/statemachine"
+)
+
+// Headers the gateway reads and writes.
+const (
+	// HeaderIdempotencyKey names the agent's key for the call.
+	HeaderIdempotencyKey = "Idempotency-Key"
+	// HeaderReceiptID and HeaderReceiptState describe the call's receipt
+	// on every answer to a call made through the ledger.
+	HeaderReceiptID    = "Receipt-Id"
+	HeaderReceiptState = "Receipt-State"
+	// HeaderReceiptRetryable is "true" on a rejection the agent may send
+	// again with the same key (nothing was done: a 429, or nothing sent).
+	HeaderReceiptRetryable = "Receipt-Retryable"
+	// HeaderReplayed is "true" on an answer given from the ledger without
+	// sending anything upstream.
+	HeaderReplayed = "Idempotent-Replayed"
+)
+
+// maxWait is the longest GET /receipts/{id}?wait= the gateway holds.
+const maxWait = 5 * time.Minute
+
+// Options are a Gateway's collaborators.
+type Options struct {
+	// Logger receives structured logs (default: discard). Neither
+	// credentials nor bodies are logged.
+	Logger *slog.Logger
+	// Metrics, if set, is updated per request.
+	Metrics *Metrics
+	// Transport sends upstream requests (default: a transport of the
+	// gateway's own, which ignores proxy environment variables).
+	Transport http.RoundTripper
+}
+
+// Gateway serves the routes of a Config. It is an http.Handler.
+type Gateway struct {
+	cfg     *Config
+	ledger  *ledger.Client
+	store   store
+	log     *slog.Logger
+	metrics *Metrics
+	clients map[*Route]*http.Client
+	mux     *http.ServeMux
+}
+
+// New returns a gateway for cfg that records receipts through client (its
+// actor is replaced, per request, by the calling agent's "agent:<id>").
+func New(client *ledger.Client, cfg *Config, opts Options) *Gateway {
+	g := &Gateway{cfg: cfg, ledger: client, store: store{db: client.Pool()}, log: opts.Logger,
+		metrics: opts.Metrics, clients: map[*Route]*http.Client{}}
+	if g.log == nil {
+		g.log = slog.New(slog.DiscardHandler)
+	}
+	tr := opts.Transport
+	if tr == nil {
+		t := http.DefaultTransport.(*http.Transport).Clone()
+		t.Proxy = nil // only the route's upstream, never a proxy from the environment
+		t.MaxIdleConnsPerHost = 64
+		tr = t
+	}
+	for _, r := range cfg.Routes {
+		g.clients[r] = &http.Client{Transport: tr, Timeout: r.Timeout,
+			CheckRedirect: func(*http.Request, []*http.Request) error { return http.ErrUseLastResponse }}
+	}
+	g.mux = http.NewServeMux()
+	g.mux.HandleFunc("GET /openapi.json", serveOpenAPI)
+	g.mux.HandleFunc("GET /healthz", func(w http.ResponseWriter, _ *http.Request) { _, _ = io.WriteString(w, "ok\n") })
+	g.mux.HandleFunc("GET /problems/{name}", serveProblemType)
+	g.mux.HandleFunc("GET /receipts/{id}", g.serveReceipt)
+	return g
+}
+
+// ServeHTTP serves the gateway's own endpoints and proxies everything else
+// through the routes.
+func (g *Gateway) ServeHTTP(w http.ResponseWriter, r *http.Request) {
+	p := r.URL.Path
+	if p == "/openapi.json" || p == "/healthz" || strings.HasPrefix(p, "/problems/") || strings.HasPrefix(p, "/receipts/") {
+		g.mux.ServeHTTP(w, r)
+		return
+	}
+	g.proxy(w, r)
+}
+
+// Run serves h on l until ctx ends, then stops accepting, lets requests in
+// flight finish within grace, and returns. h is the gateway itself when nil;
+// pass a handler around it to add endpoints (the CLI adds /metrics). Run
+// also deletes expired replay responses, a tenth of the retention apart.
+func (g *Gateway) Run(ctx context.Context, l net.Listener, h http.Handler, grace time.Duration) error {
+	if h == nil {
+		h = g
+	}
+	srv := &http.Server{Handler: h, ReadHeaderTimeout: 10 * time.Second,
+		BaseContext: func(net.Listener) context.Context { return context.WithoutCancel(ctx) }}
+	errc := make(chan error, 1)
+	go func() { errc <- srv.Serve(l) }()
+	go g.expireLoop(ctx)
+	select {
+	case err := <-errc:
+		return err
+	case <-ctx.Done():
+	}
+	sctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), grace)
+	defer cancel()
+	if err := srv.Shutdown(sctx); err != nil {
+		return fmt.Errorf("gateway: shutdown: %w", err)
+	}
+	return nil
+}
+
+// expireLoop deletes expired replay responses in batches, every tenth of
+// the retention (between a minute and an hour).
+func (g *Gateway) expireLoop(ctx context.Context) {
+	every := min(max(g.cfg.Retention/10, time.Minute), time.Hour)
+	t := time.NewTicker(every)
+	defer t.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-t.C:
+		}
+		for {
+			n, err := g.store.expire(ctx, 1000)
+			if err != nil {
+				g.log.Warn("expiring replay responses failed", "error", err)
+				break
+			}
+			if n < 1000 {
+				break
+			}
+		}
+	}
+}
+
+// match returns the route whose prefix the escaped path starts with (the
+// longest), and the rest of the path.
+func (g *Gateway) match(escaped string) (*Route, string) {
+	for _, r := range g.cfg.Routes {
+		if escaped == r.Prefix {
+			return r, "/"
+		}
+		if rest, ok := strings.CutPrefix(escaped, r.Prefix); ok && strings.HasPrefix(rest, "/") {
+			return r, rest
+		}
+	}
+	return nil, ""
+}
+
+// tokenFrom is where an agent's token was found.
+type tokenFrom int
+
+const (
+	fromAuthorization tokenFrom = iota
+	fromProxyAuthorization
+)
+
+// authenticate returns the calling agent's id from its bearer token, in
+// Proxy-Authorization if present, else in Authorization.
+func (g *Gateway) authenticate(r *http.Request) (string, tokenFrom, *ProblemType) {
+	from, h := fromProxyAuthorization, r.Header.Get("Proxy-Authorization")
+	if h == "" {
+		from, h = fromAuthorization, r.Header.Get("Authorization")
+	}
+	if h == "" {
+		return "", from, &ProblemMissingToken
+	}
+	scheme, tok, ok := strings.Cut(h, " ")
+	if !ok || !strings.EqualFold(scheme, "Bearer") || tok == "" {
+		return "", from, &ProblemInvalidToken
+	}
+	// A lookup by the token's hash: no comparison of the token itself
+	// whose time would depend on how much of it matches.
+	id, ok := g.cfg.Agents[sha256.Sum256([]byte(strings.TrimSpace(tok)))]
+	if !ok {
+		return "", from, &ProblemInvalidToken
+	}
+	return id, from, nil
+}
+
+// call is one request being proxied.
+type call struct {
+	route   *Route
+	agent   string // the actor, "agent:<id>"
+	start   time.Time
+	upFirst atomic.Int64 // ns since start: the upstream's first response byte
+	upStart atomic.Int64 // ns since start: the upstream connection asked for
+}
+
+// trace records when the upstream exchange began and answered, so the
+// time the gateway adds can be told from the upstream's.
+func (c *call) trace(ctx context.Context) context.Context {
+	return httptrace.WithClientTrace(ctx, &httptrace.ClientTrace{
+		GetConn:              func(string) { c.upStart.CompareAndSwap(0, int64(time.Since(c.start))) },
+		GotFirstResponseByte: func() { c.upFirst.Store(int64(time.Since(c.start))) },
+	})
+}
+
+// added is the time the gateway added: the whole handling minus the
+// upstream's exchange (asking for a connection to the first response byte).
+func (c *call) added() time.Duration {
+	total := time.Since(c.start)
+	if f, s := c.upFirst.Load(), c.upStart.Load(); f > 0 && s > 0 && f > s {
+		return total - time.Duration(f-s)
+	}
+	return total
+}
+
+func (g *Gateway) refuse(w http.ResponseWriter, route string, pr Problem) {
+	g.metrics.refusal(route, strings.TrimPrefix(pr.Type, "/problems/"))
+	writeProblem(w, pr)
+}
+
+func (g *Gateway) proxy(w http.ResponseWriter, r *http.Request) {
+	c := &call{start: time.Now()}
+	escaped := r.URL.EscapedPath()
+	route, rest := g.match(escaped)
+	if route == nil {
+		g.refuse(w, "none", newProblem(ProblemUnknownRoute, "no route's prefix matches "+strconv.Quote(truncate(escaped))))
+		return
+	}
+	c.route = route
+	id, from, bad := g.authenticate(r)
+	if bad != nil {
+		g.refuse(w, route.Name, newProblem(*bad, "send the agent's token as Authorization: Bearer <token>"))
+		return
+	}
+	c.agent = "agent:" + id
+	if hasDotSegment(rest) {
+		g.refuse(w, route.Name, newProblem(ProblemInvalidPath, "a path with . or .. segments could leave the upstream's base path"))
+		return
+	}
+	body, pr := g.readBody(r)
+	if pr != nil {
+		g.refuse(w, route.Name, *pr)
+		return
+	}
+	up, err := g.upstreamRequest(r, route, rest, from, body)
+	if err != nil {
+		g.refuse(w, route.Name, newProblem(ProblemInvalidPath, err.Error()))
+		return
+	}
+	write := r.Method != http.MethodGet && r.Method != http.MethodHead
+	if !write && !route.ReceiptsForReads {
+		g.passThrough(w, c, up)
+		return
+	}
+	key := r.Header.Get(HeaderIdempotencyKey)
+	if key == "" {
+		g.refuse(w, route.Name, newProblem(ProblemMissingKey,
+			"send an Idempotency-Key header that stays the same for every attempt of this step (task:step:operation)"))
+		return
+	}
+	op, drop, secret, ok := route.operation(r.Method, rest)
+	if !ok {
+		g.refuse(w, route.Name, newProblem(ProblemUnknownOperation, r.Method+" "+truncate(rest)+" matches none of the route's operations"))
+		return
+	}
+	target := up.URL.EscapedPath()
+	if up.URL.RawQuery != "" {
+		// The query is part of what the call means.
+		target += "?" + up.URL.RawQuery
+	}
+	payload, err := payloadOf(r.Header.Get("Content-Type"), body)
+	if err != nil {
+		g.refuse(w, route.Name, newProblem(ProblemInvalidIntent, err.Error()))
+		return
+	}
+	in := ledger.Intent{IdempotencyKey: key, Operation: op, Dependency: route.Dependency, Method: r.Method,
+		Target: target, Payload: payload, Drop: drop, Secret: secret, MaxSendDelay: route.MaxSendDelay}
+	caller := &ledger.Caller{Ledger: g.ledger.As(statemachine.Actor(c.agent)), HTTP: g.clients[route],
+		ExternalID: route.ExternalID, MaxResponseBytes: g.cfg.MaxResponseBytes}
+	// The call outlives the agent's connection: its outcome is recorded
+	// (and replayed to the agent's next attempt) even if the agent left.
+	ctx, cancel := context.WithTimeout(c.trace(context.WithoutCancel(r.Context())), route.Timeout+time.Minute)
+	defer cancel()
+	res, err := caller.Do(ctx, in, up.WithContext(ctx))
+	g.answer(w, r, c, res, err)
+	g.metrics.addedLatency(route.Name, c.added())
+}
+
+// readBody reads the agent's body within the gateway's bound.
+func (g *Gateway) readBody(r *http.Request) ([]byte, *Problem) {
+	max := g.cfg.MaxRequestBytes
+	tooLarge := func() *Problem {
+		pr := newProblem(ProblemRequestTooLarge, fmt.Sprintf("the gateway takes bodies of at most %d bytes", max))
+		return &pr
+	}
+	if r.ContentLength > max {
+		return nil, tooLarge()
+	}
+	body, err := io.ReadAll(io.LimitReader(r.Body, max+1))
+	if err != nil {
+		pr := newProblem(ProblemInvalidIntent, "reading the request body failed")
+		return nil, &pr
+	}
+	if int64(len(body)) > max {
+		return nil, tooLarge()
+	}
+	return body, nil
+}
+
+// hopHeaders are never forwarded in either direction (RFC 9110 §7.6.1),
+// nor are the agent's credentials for the gateway.
+func hopHeaders() []string {
+	return []string{"Connection", "Keep-Alive", "Proxy-Authenticate", "Proxy-Authorization", "Proxy-Connection",
+		"Te", "Trailer", "Transfer-Encoding", "Upgrade", "Host", "Content-Length"}
+}
+
+func stripHop(h http.Header) {
+	for _, f := range h.Values("Connection") {
+		for _, name := range strings.Split(f, ",") {
+			h.Del(strings.TrimSpace(name))
+		}
+	}
+	for _, name := range hopHeaders() {
+		h.Del(name)
+	}
+}
+
+// upstreamRequest builds the request sent upstream: the route's base URL
+// plus the rest of the path and the query, the agent's headers without
+// hop-by-hop ones and without its Authorization (unless the route allows
+// it and the agent authenticated with Proxy-Authorization), and the route's
+// credential.
+func (g *Gateway) upstreamRequest(r *http.Request, route *Route, rest string, from tokenFrom, body []byte) (*http.Request, error) {
+	u := *route.Upstream
+	path, err := url.PathUnescape(rest)
+	if err != nil {
+		return nil, fmt.Errorf("the path does not unescape: %w", err)
+	}
+	u.Path = strings.TrimSuffix(route.Upstream.Path, "/") + path
+	u.RawPath = strings.TrimSuffix(route.Upstream.EscapedPath(), "/") + rest
+	if rest == "/" && route.Upstream.Path != "" {
+		u.Path, u.RawPath = route.Upstream.Path, route.Upstream.RawPath
+	}
+	u.RawQuery = r.URL.RawQuery
+	var rd io.Reader
+	if len(body) > 0 {
+		rd = bytes.NewReader(body)
+	}
+	up, err := http.NewRequestWithContext(r.Context(), r.Method, u.String(), rd)
+	if err != nil {
+		return nil, fmt.Errorf("the upstream request cannot be built: %w", err)
+	}
+	up.Header = r.Header.Clone()
+	stripHop(up.Header)
+	if !route.PassAuthorization || from == fromAuthorization {
+		up.Header.Del("Authorization")
+	}
+	if route.authHeader != "" {
+		up.Header.Set(route.authHeader, route.authValue)
+	}
+	return up, nil
+}
+
+// passThrough forwards a read without a receipt.
+func (g *Gateway) passThrough(w http.ResponseWriter, c *call, up *http.Request) {
+	ctx := c.trace(up.Context())
+	resp, err := g.clients[c.route].Do(up.WithContext(ctx))
+	if err != nil {
+		g.metrics.request(c.route.Name, outcomeError)
+		writeProblem(w, newProblem(ProblemUpstreamUnavailable, "the upstream did not answer the read; a read changes nothing and may be sent again"))
+		return
+	}
+	defer resp.Body.Close()
+	if resp.StatusCode >= 300 && resp.StatusCode <= 399 {
+		g.refuse(w, c.route.Name, Problem{Type: ProblemUpstreamRedirect.URI(), Title: ProblemUpstreamRedirect.Title,
+			Status: ProblemUpstreamRedirect.Status, Retry: RetryNo, UpstreamStatus: resp.StatusCode,
+			Detail: "the gateway does not follow redirects"})
+		return
+	}
+	body, err := io.ReadAll(io.LimitReader(resp.Body, g.cfg.MaxResponseBytes+1))
+	if int64(len(body)) > g.cfg.MaxResponseBytes {
+		g.refuse(w, c.route.Name, newProblem(ProblemResponseTooLarge, fmt.Sprintf("more than %d bytes", g.cfg.MaxResponseBytes)))
+		return
+	}
+	if err != nil {
+		g.metrics.request(c.route.Name, outcomeError)
+		writeProblem(w, newProblem(ProblemUpstreamUnavailable, "reading the upstream's answer failed; a read changes nothing and may be sent again"))
+		return
+	}
+	g.metrics.request(c.route.Name, outcomePassthrough)
+	writeUpstream(w, resp.StatusCode, resp.Header, body)
+	g.metrics.addedLatency(c.route.Name, c.added())
+}
+
+// writeUpstream writes an upstream response to the agent.
+func writeUpstream(w http.ResponseWriter, status int, h http.Header, body []byte) {
+	out := w.Header()
+	for k, vs := range h {
+		out[k] = append([]string(nil), vs...)
+	}
+	stripHop(out)
+	out.Set("Content-Length", strconv.Itoa(len(body)))
+	w.WriteHeader(status)
+	_, _ = w.Write(body)
+}
+
+// answer turns the outcome of Caller.Do into the agent's answer.
+func (g *Gateway) answer(w http.ResponseWriter, r *http.Request, c *call, res *ledger.Result, err error) {
+	name := c.route.Name
+	if res != nil && res.Replayed {
+		g.replay(w, r, c, res.Receipt)
+		return
+	}
+	var dup *ledger.DuplicateError
+	var oe *ledger.OutcomeError
+	switch {
+	case err == nil:
+		g.record(r.Context(), c, res)
+		g.metrics.request(name, outcomeSucceeded)
+		setReceipt(w.Header(), res.Receipt)
+		writeUpstream(w, res.Response.StatusCode, res.Response.Header, res.Body)
+	case errors.As(err, &dup):
+		pr := newProblem(ProblemDuplicateIntent, fmt.Sprintf("receipt %d holds the same call (%s), and its outcome is not settled: "+
+			"this call is not sent. Wait for that receipt instead of sending it again under another key", dup.Existing.ID, dup.Existing.State))
+		pr.ExistingReceiptID = dup.Existing.ID
+		pr.WaitURL = waitURL(dup.Existing.ID)
+		g.refuse(w, name, pr)
+	case errors.Is(err, ledger.ErrKeyConflict):
+		g.refuse(w, name, newProblem(ProblemKeyReused, "this Idempotency-Key names a call with another operation, target or payload: use a key of its own for each step"))
+	case errors.Is(err, ledger.ErrInvalidKey):
+		g.refuse(w, name, newProblem(ProblemInvalidKey, "a key is printable, at most 255 bytes, and does not end in #<digits> (the suffix of retries)"))
+	case errors.Is(err, ledger.ErrInvalidIntent):
+		g.refuse(w, name, newProblem(ProblemInvalidIntent, ledgerDetail(err)))
+	case errors.Is(err, ledger.ErrRetryRefused):
+		pr := newProblem(ProblemRetryRefused, "the previous attempt received a late answer after it was settled: its effect exists or may exist; a human must look")
+		if res != nil && res.Receipt != nil {
+			pr.ReceiptID, pr.ReceiptState = res.Receipt.ID, string(res.Receipt.State)
+		}
+		g.refuse(w, name, pr)
+	case errors.As(err, &oe) && oe.Receipt != nil:
+		g.settledOtherwise(w, r, c, res, oe)
+	default:
+		// Planning or submitting failed: nothing was sent.
+		g.log.Error("ledger write failed, nothing sent", "route", name, "agent", c.agent, "error", err)
+		g.metrics.request(name, outcomeError)
+		pr := newProblem(ProblemLedger, "the receipt could not be recorded, so nothing was sent; send the call again with the same Idempotency-Key")
+		if res != nil && res.Receipt != nil {
+			pr.ReceiptID, pr.ReceiptState = res.Receipt.ID, string(res.Receipt.State)
+		}
+		writeProblem(w, pr)
+	}
+}
+
+// settledOtherwise answers a fresh call whose receipt did not succeed.
+func (g *Gateway) settledOtherwise(w http.ResponseWriter, r *http.Request, c *call, res *ledger.Result, oe *ledger.OutcomeError) {
+	name, rc := c.route.Name, oe.Receipt
+	code := ""
+	if oe.Cause != nil {
+		code = oe.Cause.Code
+	}
+	switch {
+	case rc.State == statemachine.Rejected && res != nil && res.Response != nil:
+		// A deterministic refusal (4xx) or a 429: the upstream's answer.
+		g.record(r.Context(), c, res)
+		g.metrics.request(name, outcomeRejected)
+		setReceipt(w.Header(), rc)
+		writeUpstream(w, res.Response.StatusCode, res.Response.Header, res.Body)
+	case rc.State == statemachine.Rejected:
+		g.metrics.request(name, outcomeNotSent)
+		pr := newProblem(ProblemNotSent, "nothing left the gateway ("+code+"): send the call again with the same Idempotency-Key; it becomes the next attempt")
+		pr.ReceiptID, pr.ReceiptState, pr.Code = rc.ID, string(rc.State), code
+		w.Header().Set("Retry-After", "1")
+		writeProblem(w, pr)
+	default:
+		g.metrics.request(name, outcomeUnknown)
+		p := ProblemOutcomeUnknown
+		if res != nil && res.Response != nil && res.Response.StatusCode >= 300 && res.Response.StatusCode <= 399 {
+			p = ProblemUpstreamRedirect
+		}
+		pr := newProblem(p, "the request was sent and its outcome is unknown ("+code+"). Do not send it again under another key: "+
+			"the reconciler is settling it. Wait at wait_url; then send it again with the same Idempotency-Key for the settled outcome")
+		pr.ReceiptID, pr.ReceiptState, pr.WaitURL, pr.Code = rc.ID, string(rc.State), waitURL(rc.ID), code
+		if res != nil && res.Response != nil {
+			pr.UpstreamStatus = res.Response.StatusCode
+		}
+		writeProblem(w, pr)
+	}
+}
+
+// replay answers a call whose key names a receipt already past planned:
+// nothing is sent upstream.
+func (g *Gateway) replay(w http.ResponseWriter, r *http.Request, c *call, rc *ledger.Receipt) {
+	name := c.route.Name
+	g.metrics.replay(name, string(rc.State))
+	w.Header().Set(HeaderReplayed, "true")
+	switch rc.State {
+	case statemachine.Succeeded, statemachine.Rejected:
+		kept, err := g.store.lookup(r.Context(), rc.ID)
+		if err != nil {
+			g.log.Warn("reading a kept response failed", "route", name, "receipt_id", rc.ID, "error", err)
+		}
+		if kept != nil && kept.Agent != c.agent {
+			g.refuse(w, name, newProblem(ProblemKeyReused, "this Idempotency-Key names another agent's call"))
+			return
+		}
+		setReceipt(w.Header(), rc)
+		if kept != nil && kept.Body != nil {
+			writeUpstream(w, kept.Status, kept.Headers, kept.Body)
+			return
+		}
+		if rc.State == statemachine.Succeeded {
+			// Settled by a readback (the answer was lost), or the body
+			// was too large or too old to keep: the receipt says it all.
+			writeReceipt(w, http.StatusOK, rc)
+			return
+		}
+		pr := newProblem(ProblemRejected, "this call was settled rejected; nothing will be sent under this Idempotency-Key")
+		pr.ReceiptID, pr.ReceiptState = rc.ID, string(rc.State)
+		writeProblem(w, pr)
+	case statemachine.Submitted, statemachine.Planned:
+		pr := newProblem(ProblemInProgress, "a call with this Idempotency-Key is in flight; wait at wait_url, then send it again with the same key")
+		pr.ReceiptID, pr.ReceiptState, pr.WaitURL = rc.ID, string(rc.State), waitURL(rc.ID)
+		writeProblem(w, pr)
+	case statemachine.ManualReview:
+		pr := newProblem(ProblemManualReview, "the reconciler could not prove the outcome; a human decides. Nothing is sent under this key until then")
+		pr.ReceiptID, pr.ReceiptState, pr.WaitURL = rc.ID, string(rc.State), waitURL(rc.ID)
+		writeProblem(w, pr)
+	default:
+		pr := newProblem(ProblemOutcomeUnknown, "still unknown: the reconciler is settling it. Do not send it under another key; "+
+			"wait at wait_url, then send it again with the same Idempotency-Key")
+		pr.ReceiptID, pr.ReceiptState, pr.WaitURL = rc.ID, string(rc.State), waitURL(rc.ID)
+		writeProblem(w, pr)
+	}
+}
+
+// record keeps a settled call's response for replays: the status, the
+// headers the file names, and the body (with every form of the route's
+// credential removed) when within the replay bound.
+func (g *Gateway) record(ctx context.Context, c *call, res *ledger.Result) {
+	if res == nil || res.Response == nil || res.Receipt == nil {
+		return
+	}
+	kept := storedResponse{Agent: c.agent, Status: res.Response.StatusCode, Headers: http.Header{}, BodyBytes: int64(len(res.Body))}
+	for _, h := range g.cfg.ReplayHeaders {
+		if vs := res.Response.Header.Values(h); len(vs) > 0 {
+			kept.Headers[h] = vs
+		}
+	}
+	if int64(len(res.Body)) <= g.cfg.ReplayBodyBytes {
+		kept.Body = res.Body
+		if !c.route.redactor.Empty() {
+			kept.Body = []byte(c.route.redactor.String(string(res.Body)))
+		}
+		if kept.Body == nil {
+			kept.Body = []byte{}
+		}
+	}
+	if err := g.store.record(context.WithoutCancel(ctx), res.Receipt.ID, kept, g.cfg.Retention); err != nil {
+		g.log.Warn("keeping the response for replays failed", "route", c.route.Name, "receipt_id", res.Receipt.ID, "error", err)
+	}
+}
+
+func setReceipt(h http.Header, rc *ledger.Receipt) {
+	h.Set(HeaderReceiptID, strconv.FormatInt(rc.ID, 10))
+	h.Set(HeaderReceiptState, string(rc.State))
+	if rc.Retryable {
+		h.Set(HeaderReceiptRetryable, "true")
+	}
+}
+
+// payloadOf is the JSON payload fingerprinted for a body: a JSON body as
+// is; a form body as an object of its fields (a string per single value,
+// an array for repeated ones); an empty body as {}; any other body as its
+// media type and SHA-256.
+func payloadOf(contentType string, body []byte) (json.RawMessage, error) {
+	mt, _, _ := mime.ParseMediaType(contentType)
+	trimmed := bytes.TrimSpace(body)
+	switch {
+	case len(trimmed) == 0:
+		return json.RawMessage(`{}`), nil
+	case mt == "application/x-www-form-urlencoded":
+		vals, err := url.ParseQuery(string(body))
+		if err != nil {
+			return nil, fmt.Errorf("the form body does not parse: %w", err)
+		}
+		obj := map[string]any{}
+		for k, vs := range vals {
+			if len(vs) == 1 {
+				obj[k] = vs[0]
+			} else {
+				obj[k] = vs
+			}
+		}
+		return json.Marshal(obj)
+	case mt == "application/json" || strings.HasSuffix(mt, "+json") || (mt == "" && (trimmed[0] == '{' || trimmed[0] == '[')):
+		return body, nil
+	}
+	sum := sha256.Sum256(body)
+	return json.Marshal(map[string]string{"content_type": mt, "sha256": hex.EncodeToString(sum[:])})
+}
+
+// ledgerDetail is the ledger's refusal without its "ledger: " prefix.
+func ledgerDetail(err error) string {
+	return truncate(strings.TrimPrefix(err.Error(), "ledger: "))
+}
+
+// truncate bounds text from the agent that a problem document quotes.
+func truncate(s string) string {
+	if len(s) > 200 {
+		s = s[:200] + "…"
+	}
+	return strings.ToValidUTF8(s, "\uFFFD")
+}
