@@ -426,20 +426,22 @@ func containsAll(have []string, want ...string) bool {
 // Issue 9: a backlog deferred by the rate limit at one moment comes back
 // spread over the times the limit admits it. Until stays the earliest time
 // a call can pass (deferrals consume nothing); Slot books the deferrals
-// one token apart after the slots already booked, and once the booked
-// slots have passed the next deferral starts afresh at its Until.
+// one interval apart (a token at 80 % of the rate) after the slots already
+// booked, and once the booked slots have passed the next deferral starts
+// afresh at its Until.
 func TestRateLimitedDeferralsAreBookedOneTokenApart(t *testing.T) {
 	h := newHarness(t, func(c *Config) {
 		c.Default.Rate.Limit = 2 // one token per 500ms
 		c.Default.Rate.Burst = 3
 	})
+	gap := 625 * time.Millisecond // 1/(0.8 × 2/s)
 	for range 3 {
 		h.permit("api", First).Done(Success, 0)
 	}
 	for k := range 5 {
 		d := h.deferral("api", First, ReasonRateLimited)
 		wantUntil(t, d, t0.Add(500*time.Millisecond))
-		if want := t0.Add(time.Duration(k+1) * 500 * time.Millisecond); !d.Slot.Equal(want) {
+		if want := t0.Add(500*time.Millisecond + time.Duration(k)*gap); !d.Slot.Equal(want) {
 			t.Fatalf("deferral %d: slot t0+%v, want t0+%v", k, d.Slot.Sub(t0), want.Sub(t0))
 		}
 	}
@@ -447,8 +449,8 @@ func TestRateLimitedDeferralsAreBookedOneTokenApart(t *testing.T) {
 	// others still hold theirs, so a newcomer queues after them.
 	h.clock.Advance(500 * time.Millisecond)
 	h.permit("api", First).Done(Success, 0)
-	if d := h.deferral("api", First, ReasonRateLimited); !d.Slot.Equal(t0.Add(3 * time.Second)) {
-		t.Fatalf("newcomer slot t0+%v, want t0+3s (after the five booked)", d.Slot.Sub(t0))
+	if d, want := h.deferral("api", First, ReasonRateLimited), t0.Add(500*time.Millisecond+5*gap); !d.Slot.Equal(want) {
+		t.Fatalf("newcomer slot t0+%v, want t0+%v (after the five booked)", d.Slot.Sub(t0), want.Sub(t0))
 	}
 	// Every slot has passed: a deferral's slot is its Until again.
 	h.clock.Advance(time.Minute)
@@ -468,7 +470,7 @@ func TestRateLimitedDeferralsAreBookedOneTokenApart(t *testing.T) {
 	for k := range 3 {
 		d := h.deferral("api", First, ReasonRateLimited)
 		wantUntil(t, d, end)
-		if want := end.Add(time.Duration(k) * 500 * time.Millisecond); !d.Slot.Equal(want) {
+		if want := end.Add(time.Duration(k) * gap); !d.Slot.Equal(want) {
 			t.Fatalf("Retry-After deferral %d: slot %v after its end, want %v", k, d.Slot.Sub(end), want.Sub(end))
 		}
 	}
