@@ -29,8 +29,8 @@ func testSigkillLoop(t *testing.T, bin string) {
 	rng := rand.New(rand.NewPCG(seed, 1))
 	api := newTruthAPI(t, seed, truthFaults{latency: 20 * time.Millisecond})
 	truth := seedTruth(t, db, api, rng, backlog, 0.5)
-	// The daemon's defaults but for the rate: at 5 reads/s the backlog
-	// would last 7 minutes.
+	// The daemon's defaults but for the rate: at the default 10 reads/s
+	// the backlog alone would last over 3 minutes.
 	adapters := truthAdapters(t, api.srv.URL, "rate: .inf")
 	args := func(instance string) []string {
 		return []string{"--adapters", adapters, "--instance", instance, "--log-level", "warn"}

@@ -11,12 +11,14 @@ import (
 // ProtectGate adapts a protect.Guard (per-dependency circuit breaker shared
 // through the database, concurrency and rate limits, retry budget, degraded
 // mode) to the pool's Gate. Its refusals become *Deferral: the row is
-// rescheduled at the Guard's "until", never settled. A check refused only
-// because the dependency's concurrency limit is in use first waits, up to
-// that "until", for a slot (protect.Guard.AcquireWait): the pool may run
-// more workers than a dependency allows calls, and releasing each surplus
-// row for a whole busy delay would cap a healthy dependency's throughput at
-// its limit per delay, not per call.
+// rescheduled at the time the Guard books for it (protect.Deferral.Slot: a
+// rate limit spreads the rows it defers over the times it admits them),
+// never settled. A check refused only because the dependency's concurrency
+// limit is in use first waits, up to the busy delay, for a call to end
+// (protect.Guard.AcquireWait): the pool may run more workers than a
+// dependency allows calls, and releasing each surplus row for a whole busy
+// delay would cap a healthy dependency's throughput at its limit per delay,
+// not per call.
 func ProtectGate(g *protect.Guard) Gate { return guardGate{g: g} }
 
 type guardGate struct{ g *protect.Guard }
@@ -39,7 +41,7 @@ func (gg guardGate) Enter(ctx context.Context, dependency string, _ bool) (Pass,
 			if d.Detail != "" {
 				reason += ": " + d.Detail
 			}
-			return nil, &Deferral{Reason: reason, Until: d.Until}
+			return nil, &Deferral{Reason: reason, Until: d.Slot}
 		}
 		return nil, err
 	}
@@ -60,6 +62,10 @@ type guardPass struct{ p *protect.Permit }
 // Retry charges a retry made inside the check (an adapter retrying a page)
 // to the dependency's retry budget: protect.Retrier.
 func (gp guardPass) Retry() error { return gp.p.Retry() }
+
+// Sent counts a request the check makes after its first (the next page)
+// as a first call for the retry budget: protect.Retrier.
+func (gp guardPass) Sent() { gp.p.Sent() }
 
 func (gp guardPass) Exit(result CheckResult, retryAfter time.Duration) {
 	outcome := protect.Abandoned

@@ -422,3 +422,99 @@ func containsAll(have []string, want ...string) bool {
 	}
 	return true
 }
+
+// Issue 9: a backlog deferred by the rate limit at one moment comes back
+// spread over the times the limit admits it. Until stays the earliest time
+// a call can pass (deferrals consume nothing); Slot books the deferrals
+// one interval apart (a token at 80 % of the rate) after the slots already
+// booked, and once the booked slots have passed the next deferral starts
+// afresh at its Until.
+func TestRateLimitedDeferralsAreBookedOneTokenApart(t *testing.T) {
+	h := newHarness(t, func(c *Config) {
+		c.Default.Rate.Limit = 2 // one token per 500ms
+		c.Default.Rate.Burst = 3
+	})
+	gap := 625 * time.Millisecond // 1/(0.8 × 2/s)
+	for range 3 {
+		h.permit("api", First).Done(Success, 0)
+	}
+	for k := range 5 {
+		d := h.deferral("api", First, ReasonRateLimited)
+		wantUntil(t, d, t0.Add(500*time.Millisecond))
+		if want := t0.Add(500*time.Millisecond + time.Duration(k)*gap); !d.Slot.Equal(want) {
+			t.Fatalf("deferral %d: slot t0+%v, want t0+%v", k, d.Slot.Sub(t0), want.Sub(t0))
+		}
+	}
+	// The first booked caller comes back at its slot and passes; the
+	// others still hold theirs, so a newcomer queues after them.
+	h.clock.Advance(500 * time.Millisecond)
+	h.permit("api", First).Done(Success, 0)
+	if d, want := h.deferral("api", First, ReasonRateLimited), t0.Add(500*time.Millisecond+5*gap); !d.Slot.Equal(want) {
+		t.Fatalf("newcomer slot t0+%v, want t0+%v (after the five booked)", d.Slot.Sub(t0), want.Sub(t0))
+	}
+	// Every slot has passed: a deferral's slot is its Until again.
+	h.clock.Advance(time.Minute)
+	for range 3 {
+		h.permit("api", First).Done(Success, 0)
+	}
+	d := h.deferral("api", First, ReasonRateLimited)
+	if !d.Slot.Equal(d.Until) {
+		t.Fatalf("slot %v, until %v: want equal once the booking has passed", d.Slot, d.Until)
+	}
+
+	// A Retry-After books from its end: the burst the limiter will hold
+	// then is not trusted, the calls return one token apart.
+	h.clock.Advance(time.Second)
+	h.permit("api", First).Done(Success, 10*time.Second)
+	end := h.clock.Now().Add(10 * time.Second)
+	for k := range 3 {
+		d := h.deferral("api", First, ReasonRateLimited)
+		wantUntil(t, d, end)
+		if want := end.Add(time.Duration(k) * gap); !d.Slot.Equal(want) {
+			t.Fatalf("Retry-After deferral %d: slot %v after its end, want %v", k, d.Slot.Sub(end), want.Sub(end))
+		}
+	}
+
+	// Other reasons are not booked: the slot is the Until.
+	o := newHarness(t, func(c *Config) { c.Default.Concurrency.MaxInFlight = 1 })
+	o.permit("api", First)
+	if d := o.deferral("api", First, ReasonConcurrency); !d.Slot.Equal(d.Until) {
+		t.Fatalf("concurrency deferral: slot %v, until %v", d.Slot, d.Until)
+	}
+}
+
+// Issue 9: each request a call makes after its first (the next page)
+// counts as a first call for the retry budget, so the budget grows with
+// the pages read; once the call is done, Sent counts nothing.
+func TestSentGrowsTheRetryBudget(t *testing.T) {
+	h := newHarness(t, func(c *Config) {
+		c.Default.RetryBudget = RetryBudgetPolicy{Ratio: 0.5, MinRetries: 0, Window: time.Minute}
+	})
+	p := h.permit("api", First) // 1 first call: allowance floor(0.5) = 0
+	var d *Deferral
+	if err := p.Retry(); !errors.As(err, &d) || d.Reason != ReasonBudgetExhausted {
+		t.Fatalf("retry with one first call: %v, want the budget to refuse", err)
+	}
+	if !d.Slot.Equal(d.Until) {
+		t.Fatalf("budget deferral: slot %v, until %v", d.Slot, d.Until)
+	}
+	for range 3 {
+		p.Sent() // pages 2 to 4: 4 first calls, allowance 2
+	}
+	for range 2 {
+		if err := p.Retry(); err != nil {
+			t.Fatalf("retry within a budget of 2: %v", err)
+		}
+	}
+	if err := p.Retry(); !errors.As(err, &d) || d.Reason != ReasonBudgetExhausted {
+		t.Fatalf("third retry: %v, want the budget to refuse", err)
+	}
+	p.Done(Success, 0)
+	p.Sent()
+	p.Sent()
+	if d := h.deferral("api", Retry, ReasonBudgetExhausted); !strings.Contains(d.Detail, "2 retries for 4 first calls") {
+		t.Fatalf("Sent after Done counted: %s", d.Detail)
+	}
+	var nilPermit *Permit
+	nilPermit.Sent() // a nil permit's Sent does nothing, like its Done
+}

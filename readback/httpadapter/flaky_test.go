@@ -59,10 +59,17 @@ func thirtyPercent(n int) int {
 	return 0
 }
 
-// fakeRetrier is a protect.Retrier that allows allow retries, then refuses.
+// fakeRetrier is a protect.Retrier that allows allow retries, then
+// refuses, and counts the requests reported Sent.
 type fakeRetrier struct {
-	mu           sync.Mutex
-	allow, asked int
+	mu                 sync.Mutex
+	allow, asked, sent int
+}
+
+func (r *fakeRetrier) Sent() {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	r.sent++
 }
 
 func (r *fakeRetrier) Retry() error {
@@ -248,5 +255,41 @@ func TestInCheckRetriesAreChargedToTheGuard(t *testing.T) {
 	var d *protect.Deferral
 	if err := p.Retry(); err == nil || !errors.As(err, &d) && !strings.Contains(err.Error(), "after Done") {
 		t.Fatalf("Retry after Done: %v", err)
+	}
+}
+
+// Issue 9: the retry budget grows with the requests a check makes. Every
+// request after the check's first (each next page, each page of a second
+// pass) is reported Sent, and only those: a retried page is reported to
+// Retry, not Sent, so a flaky read reports exactly as many new requests as
+// a clean one.
+func TestEveryRequestAfterTheFirstIsReportedSent(t *testing.T) {
+	for _, flaky := range []struct {
+		name string
+		fn   func(int) int
+	}{{"clean", nil}, {"30% failures", thirtyPercent}} {
+		t.Run(flaky.name, func(t *testing.T) {
+			f := newFakeAPI(t, "rest", token)
+			f.add(others(7)...)
+			f.flaky = flaky.fn
+			a := loadWith(t, adapterFile("create", "rest", f.srv.URL, ""), &waits{})
+			gate := &fakeRetrier{allow: 100}
+			res, err := a.Check(protect.WithRetrier(context.Background(), gate), testReceipt("/items"))
+			if err != nil {
+				t.Fatal(err)
+			}
+			ev := res.Evidence.(*httpadapter.Evidence)
+			uris, _ := f.seen()
+			if ev.Pages < 4 {
+				t.Fatalf("%d pages read: the case needs a paginated read", ev.Pages)
+			}
+			if gate.sent != ev.Pages-1 || gate.asked != ev.PageRetries || len(uris) != ev.Pages+ev.PageRetries {
+				t.Fatalf("%d pages, %d retries, %d requests: reported %d sent and %d retries, want %d and %d",
+					ev.Pages, ev.PageRetries, len(uris), gate.sent, gate.asked, ev.Pages-1, ev.PageRetries)
+			}
+			if flaky.fn != nil && ev.PageRetries == 0 {
+				t.Fatal("no page was retried: the case does not exercise retries")
+			}
+		})
 	}
 }

@@ -92,12 +92,15 @@ type RetryNote struct {
 
 // retrier runs one check's requests with in-check retries.
 type retrier struct {
-	a      *Adapter
-	pol    retryPolicy
-	gate   protect.Retrier // nil: no retry budget to charge (e.g. adapters check)
-	ev     *Evidence
-	bo     *backoff.ExponentialBackOff
-	used   int
+	a    *Adapter
+	pol  retryPolicy
+	gate protect.Retrier // nil: no retry budget to charge (e.g. adapters check)
+	ev   *Evidence
+	bo   *backoff.ExponentialBackOff
+	used int
+	// sent counts the requests begun (retries aside): the first is the
+	// check's own, permitted with it; each later one is told to gate.
+	sent   int
 	notes  []RetryNote
 	budget string // why the last retry was refused by the gate
 }
@@ -120,9 +123,18 @@ func (r *retrier) ceiling(n int) time.Duration {
 
 // do runs fn, the request for page page of pass pass (0, 0 for a fetch),
 // retrying it while it fails transiently and the policy, the retry budget
-// and ctx's deadline allow. The pages read before it are the caller's and
+// and ctx's deadline allow. Every request after the check's first is
+// reported to the retry budget (protect.Retrier.Sent). The pages read before it are the caller's and
 // stay as they are: the retry resumes at the failed request.
 func (r *retrier) do(ctx context.Context, pass, page int, fn func() error) error {
+	r.sent++
+	if r.sent > 1 && r.gate != nil {
+		// A next page is a first call for the retry budget, which then
+		// grows with the pages read: counted as one call per check, an
+		// eight-page check at 30 % failures earned a fifth of one retry
+		// where it needs more than three.
+		r.gate.Sent()
+	}
 	for n := 0; ; n++ {
 		err := fn()
 		if err == nil {
