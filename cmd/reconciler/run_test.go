@@ -186,8 +186,8 @@ func TestAdaptersCheckPrintsLimits(t *testing.T) {
 	}
 	for dep, want := range map[string]string{
 		"github": "github 2 1/s 5 50% of 20+ calls per 30s or 3 in a row, 10m0s cooldown (max 10m0s) 50%, min 0 per 1m0s at 40% (exit 20%), 1 in flight file+flags",
-		"shop":   "shop 8 unlimited - 50% of 20+ calls per 30s, 30s cooldown (max 5m0s) 20%, min 10 per 1m0s at 20% (exit 10%), 1 in flight file+flags",
-		"stripe": "stripe 8 20/s 10 50% of 20+ calls per 30s, 30s cooldown (max 5m0s) 20%, min 10 per 1m0s at 20% (exit 10%), 1 in flight file+flags",
+		"shop":   "shop 8 unlimited - 50% of 20+ calls per 30s, 30s cooldown (max 5m0s) 50%, min 10 per 1m0s at 20% (exit 10%), 1 in flight file+flags",
+		"stripe": "stripe 8 20/s 20 50% of 20+ calls per 30s, 30s cooldown (max 5m0s) 50%, min 10 per 1m0s at 20% (exit 10%), 1 in flight file+flags",
 	} {
 		if rows[dep] != want {
 			t.Errorf("row of %s = %q\nwant        %q", dep, rows[dep], want)
