@@ -299,10 +299,17 @@ func TestWebhookTwoGatewaysDeliverOnce(t *testing.T) {
 	for range calls {
 		rc.next(t)
 	}
+	// The receiver answered each; the gateways record it just after.
 	var delivered int
-	if err := db.QueryRow(context.Background(), `SELECT count(*) FROM reconciler.webhook_deliveries
-		WHERE delivered_at IS NOT NULL AND attempts = 1`).Scan(&delivered); err != nil {
-		t.Fatal(err)
+	for deadline := time.Now().Add(20 * time.Second); ; {
+		if err := db.QueryRow(context.Background(), `SELECT count(*) FROM reconciler.webhook_deliveries
+			WHERE delivered_at IS NOT NULL AND attempts = 1`).Scan(&delivered); err != nil {
+			t.Fatal(err)
+		}
+		if delivered >= calls || time.Now().After(deadline) {
+			break
+		}
+		time.Sleep(5 * time.Millisecond) // polling a condition
 	}
 	rc.mu.Lock()
 	defer rc.mu.Unlock()
