@@ -193,6 +193,11 @@ GRANT UPDATE (state, state_actor, state_detail, external_id)
 -- The receipt gateway (`reconciler gateway`) runs as an agent: it keeps the
 -- responses it may replay, and drops them when they expire.
 GRANT SELECT, INSERT, DELETE ON reconciler.gateway_responses TO reconciler_agent;
+-- Its webhooks: it registers the receipts of routes with one, claims the
+-- deliveries the settlement trigger queued, and records each attempt.
+GRANT SELECT, INSERT ON reconciler.webhook_receipts, reconciler.webhook_deliveries TO reconciler_agent;
+GRANT UPDATE (attempts, last_status, last_error, last_attempt_at, next_attempt_at, delivered_at, gave_up_at)
+    ON reconciler.webhook_deliveries TO reconciler_agent;
 
 -- reconciler_worker: claim (UPDATE ... FOR UPDATE SKIP LOCKED), complete
 -- (settle or reschedule, appending readback_checks and duplicate_alarms in
@@ -229,7 +234,8 @@ GRANT UPDATE (state, state_actor, state_detail, external_id)
 -- `review list|show` work under it too.
 GRANT SELECT ON reconciler.receipts, reconciler.receipt_events, reconciler.readback_checks,
                 reconciler.duplicate_alarms, reconciler.late_outcomes,
-                reconciler.dependency_breakers, reconciler.gateway_responses
+                reconciler.dependency_breakers, reconciler.gateway_responses,
+                reconciler.webhook_receipts, reconciler.webhook_deliveries
     TO reconciler_readonly;
 
 COMMIT;

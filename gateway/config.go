@@ -37,6 +37,15 @@ const (
 	DefaultTimeout = 30 * time.Second
 	// minTokenBytes is the shortest agent token accepted.
 	minTokenBytes = 16
+	// minWebhookSecretBytes is the shortest webhook secret accepted: an
+	// HMAC-SHA256 key of 256 bits.
+	minWebhookSecretBytes = 32
+	// DefaultWebhookTimeout bounds one webhook delivery.
+	DefaultWebhookTimeout = 10 * time.Second
+	// DefaultWebhookMaxAttempts and DefaultWebhookMaxAge bound the retries
+	// of one event: after either, it is given up (and recorded so).
+	DefaultWebhookMaxAttempts = 12
+	DefaultWebhookMaxAge      = 24 * time.Hour
 )
 
 // defaultReplayHeaders are the upstream response headers kept with a
@@ -97,12 +106,29 @@ type Route struct {
 	Timeout time.Duration
 	// ExternalID extracts the external id from a 2xx body (nil: "id").
 	ExternalID func([]byte) (string, error)
+	// Webhook, if set, receives a signed event when a receipt created
+	// through the route settles.
+	Webhook *Webhook
 
 	// auth is the credential header injected upstream, if any.
 	authHeader, authValue string
 	// redactor removes every form of the route's credential from a
 	// response body before it is stored.
 	redactor *redact.Redactor
+}
+
+// Webhook is where a route's settlement events are delivered.
+type Webhook struct {
+	// URL receives a POST per event; it holds no credentials.
+	URL *url.URL
+	// Timeout bounds one delivery (DefaultWebhookTimeout).
+	Timeout time.Duration
+	// MaxAttempts and MaxAge bound the retries of one event.
+	MaxAttempts int
+	MaxAge      time.Duration
+
+	// secret keys the events' HMAC-SHA256 signatures.
+	secret []byte
 }
 
 // Operation names the calls that match a method and a path pattern.
@@ -200,6 +226,15 @@ type routeYAML struct {
 	MaxSendDelay      string          `yaml:"max_send_delay"`
 	Timeout           string          `yaml:"timeout"`
 	ExternalID        string          `yaml:"external_id"`
+	Webhook           *webhookYAML    `yaml:"webhook"`
+}
+
+type webhookYAML struct {
+	URL         string     `yaml:"url"`
+	Secret      secretYAML `yaml:"secret"`
+	Timeout     string     `yaml:"timeout"`
+	MaxAttempts int        `yaml:"max_attempts"`
+	MaxAge      string     `yaml:"max_age"`
 }
 
 // LoadConfig reads the routes file at path, resolving every credential
@@ -401,7 +436,63 @@ func compileRoute(ry routeYAML, lookupEnv func(string) (string, bool)) (*Route, 
 			return nil, "auth.scheme", fmt.Errorf("want bearer, basic or header, got %q", a.Scheme)
 		}
 	}
+	if ry.Webhook != nil {
+		w, fld, err := compileWebhook(*ry.Webhook, lookupEnv)
+		if err != nil {
+			return nil, "webhook." + fld, err
+		}
+		r.Webhook = w
+	}
 	return r, "", nil
+}
+
+// compileWebhook checks a route's webhook and resolves its secret; the
+// field it returns names what is wrong.
+func compileWebhook(wy webhookYAML, lookupEnv func(string) (string, bool)) (*Webhook, string, error) {
+	u, err := url.Parse(wy.URL)
+	if err != nil || (u.Scheme != "http" && u.Scheme != "https") || u.Host == "" {
+		return nil, "url", fmt.Errorf("want an http or https URL, got %q", redactURL(wy.URL))
+	}
+	if u.User != nil || u.Fragment != "" {
+		return nil, "url", errors.New("must hold no credentials or fragment (events are signed with the secret instead)")
+	}
+	secret, err := resolveSecret(wy.Secret, lookupEnv)
+	if err != nil {
+		return nil, "secret", err
+	}
+	if len(secret) < minWebhookSecretBytes {
+		return nil, "secret", fmt.Errorf("a webhook secret must be at least %d bytes", minWebhookSecretBytes)
+	}
+	w := &Webhook{URL: u, Timeout: DefaultWebhookTimeout, MaxAttempts: wy.MaxAttempts, MaxAge: DefaultWebhookMaxAge,
+		secret: []byte(secret)}
+	if w.MaxAttempts == 0 {
+		w.MaxAttempts = DefaultWebhookMaxAttempts
+	}
+	if w.MaxAttempts < 1 || w.MaxAttempts > 100 {
+		return nil, "max_attempts", fmt.Errorf("want 1 to 100, got %d", wy.MaxAttempts)
+	}
+	for _, d := range []struct {
+		field, v string
+		dst      *time.Duration
+	}{{"timeout", wy.Timeout, &w.Timeout}, {"max_age", wy.MaxAge, &w.MaxAge}} {
+		if d.v == "" {
+			continue
+		}
+		v, err := time.ParseDuration(d.v)
+		if err != nil || v <= 0 {
+			return nil, d.field, fmt.Errorf("want a positive duration such as 10s, got %q", d.v)
+		}
+		*d.dst = v
+	}
+	return w, "", nil
+}
+
+// redactURL is a URL as an error may quote it: without its user info.
+func redactURL(raw string) string {
+	if u, err := url.Parse(raw); err == nil {
+		return u.Redacted()
+	}
+	return "(unparsable)"
 }
 
 // resolveSecret reads a credential from the environment or a file. Errors

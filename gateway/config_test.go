@@ -24,6 +24,11 @@ func TestConfigErrorsNameTheField(t *testing.T) {
 		{"dot segment", "prefix: /blog", "prefix: /a/../b", "routes[0].prefix"},
 		{"no dependency", "    dependency: blog-api\n", "", "routes[0].dependency"},
 		{"bad duration", "timeout: 2s", "timeout: soon", "routes[0].timeout"},
+		{"webhook not http", "timeout: 2s", "timeout: 2s\n    webhook: {url: 'ftp://h/x', secret: {env: HOOK_SECRET}}", "routes[0].webhook.url: want an http or https URL"},
+		{"webhook credential in the URL", "timeout: 2s", "timeout: 2s\n    webhook: {url: 'https://u:" + hookSecret + "@h/x', secret: {env: HOOK_SECRET}}", "routes[0].webhook.url: must hold no credentials"},
+		{"webhook secret short", "timeout: 2s", "timeout: 2s\n    webhook: {url: 'https://h/x', secret: {env: TOKEN_A}}", "routes[0].webhook.secret: a webhook secret must be at least 32 bytes"},
+		{"webhook secret not set", "timeout: 2s", "timeout: 2s\n    webhook: {url: 'https://h/x', secret: {env: NOPE}}", "routes[0].webhook.secret: environment variable NOPE"},
+		{"webhook bad attempts", "timeout: 2s", "timeout: 2s\n    webhook: {url: 'https://h/x', secret: {env: HOOK_SECRET}, max_attempts: -1}", "routes[0].webhook.max_attempts"},
 		{"credential header kept", "replay: {retention: 1h}", "replay: {headers: [Set-Cookie]}", "replay.headers[0]"},
 	}
 	for _, tc := range cases {
@@ -36,7 +41,7 @@ func TestConfigErrorsNameTheField(t *testing.T) {
 			if !errors.As(err, &ce) || !strings.Contains(err.Error(), tc.want) || !strings.HasPrefix(err.Error(), "routes.yaml") {
 				t.Fatalf("error %v, want a *ConfigError naming %q", err, tc.want)
 			}
-			if strings.Contains(err.Error(), tokenA) || strings.Contains(err.Error(), upstreamKey) {
+			if strings.Contains(err.Error(), tokenA) || strings.Contains(err.Error(), upstreamKey) || strings.Contains(err.Error(), hookSecret) {
 				t.Fatal("the error prints a credential")
 			}
 		})

@@ -71,6 +71,13 @@ type Options struct {
 	// Transport sends upstream requests (default: a transport of the
 	// gateway's own, which ignores proxy environment variables).
 	Transport http.RoundTripper
+	// WebhookTransport sends webhook events (default: as Transport's).
+	WebhookTransport http.RoundTripper
+	// WebhookRetryBase and WebhookRetryCap shape the retries of an event
+	// (DefaultWebhookRetryBase, DefaultWebhookRetryCap); WebhookSweep is
+	// how often pending events are looked for unprompted
+	// (DefaultWebhookSweep).
+	WebhookRetryBase, WebhookRetryCap, WebhookSweep time.Duration
 }
 
 // Gateway serves the routes of a Config. It is an http.Handler.
@@ -82,13 +89,14 @@ type Gateway struct {
 	metrics *Metrics
 	clients map[*Route]*http.Client
 	mux     *http.ServeMux
+	hooks   *webhooks
 }
 
 // New returns a gateway for cfg that records receipts through client (its
 // actor is replaced, per request, by the calling agent's "agent:<id>").
 func New(client *ledger.Client, cfg *Config, opts Options) *Gateway {
 	g := &Gateway{cfg: cfg, ledger: client, store: store{db: client.Pool()}, log: opts.Logger,
-		metrics: opts.Metrics, clients: map[*Route]*http.Client{}}
+		metrics: opts.Metrics, clients: map[*Route]*http.Client{}, hooks: newWebhooks(cfg, opts)}
 	if g.log == nil {
 		g.log = slog.New(slog.DiscardHandler)
 	}
@@ -125,7 +133,8 @@ func (g *Gateway) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 // Run serves h on l until ctx ends, then stops accepting, lets requests in
 // flight finish within grace, and returns. h is the gateway itself when nil;
 // pass a handler around it to add endpoints (the CLI adds /metrics). Run
-// also deletes expired replay responses, a tenth of the retention apart.
+// also deletes expired replay responses, a tenth of the retention apart,
+// and delivers the routes' webhooks (DeliverWebhooks).
 func (g *Gateway) Run(ctx context.Context, l net.Listener, h http.Handler, grace time.Duration) error {
 	if h == nil {
 		h = g
@@ -135,6 +144,10 @@ func (g *Gateway) Run(ctx context.Context, l net.Listener, h http.Handler, grace
 	errc := make(chan error, 1)
 	go func() { errc <- srv.Serve(l) }()
 	go g.expireLoop(ctx)
+	hctx, stopHooks := context.WithCancel(ctx)
+	hooksDone := make(chan struct{})
+	go func() { defer close(hooksDone); g.DeliverWebhooks(hctx) }()
+	defer func() { stopHooks(); <-hooksDone }()
 	select {
 	case err := <-errc:
 		return err
@@ -315,6 +328,11 @@ func (g *Gateway) proxy(w http.ResponseWriter, r *http.Request) {
 	ctx, cancel := context.WithTimeout(c.trace(context.WithoutCancel(r.Context())), route.Timeout+time.Minute)
 	defer cancel()
 	res, err := caller.Do(ctx, in, up.WithContext(ctx))
+	if route.Webhook != nil && res != nil && res.Receipt != nil {
+		// A replay registers again: harmless, and it repairs a
+		// registration lost to a crash right after the call.
+		g.register(ctx, route, res.Receipt.ID)
+	}
 	g.answer(w, r, c, res, err)
 	g.metrics.addedLatency(route.Name, c.added())
 }

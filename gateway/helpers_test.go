@@ -26,10 +26,11 @@ const (
 	tokenB       = "token-of-agent-b-0123456789"
 	upstreamKey  = "sk_live_upstream_secret_42"
 	routesPrefix = "/blog"
+	hookSecret   = "whsec_0123456789abcdef0123456789abcdef"
 )
 
 func testEnv(name string) (string, bool) {
-	v, ok := map[string]string{"TOKEN_A": tokenA, "TOKEN_B": tokenB, "BLOG_KEY": upstreamKey}[name]
+	v, ok := map[string]string{"TOKEN_A": tokenA, "TOKEN_B": tokenB, "BLOG_KEY": upstreamKey, "HOOK_SECRET": hookSecret}[name]
 	return v, ok
 }
 

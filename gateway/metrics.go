@@ -18,6 +18,14 @@ const (
 	outcomeError       = "error"
 )
 
+// Outcomes of a webhook delivery attempt in
+// reconciler_gateway_webhook_deliveries_total.
+const (
+	webhookDelivered = "delivered"
+	webhookFailed    = "failed"
+	webhookGaveUp    = "gave_up"
+)
+
 // Metrics are the gateway's Prometheus metrics. No receipt id or agent id
 // is a label: routes and outcomes are bounded sets.
 type Metrics struct {
@@ -25,6 +33,7 @@ type Metrics struct {
 	refusals *prometheus.CounterVec
 	replays  *prometheus.CounterVec
 	added    *prometheus.HistogramVec
+	webhooks *prometheus.CounterVec
 }
 
 // NewMetrics registers the gateway's metrics with reg.
@@ -40,9 +49,12 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 		added: prometheus.NewHistogramVec(prometheus.HistogramOpts{Name: "reconciler_gateway_added_seconds",
 			Help:    "Time the gateway adds to a call: its whole handling minus the upstream exchange (first byte after the connection).",
 			Buckets: []float64{.0005, .001, .002, .005, .01, .025, .05, .1, .25, .5, 1}}, []string{"route"}),
+		webhooks: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "reconciler_gateway_webhook_deliveries_total",
+			Help: "Webhook delivery attempts by route and outcome (delivered, failed: to be retried, gave_up)."},
+			[]string{"route", "outcome"}),
 	}
 	if reg != nil {
-		reg.MustRegister(m.requests, m.refusals, m.replays, m.added)
+		reg.MustRegister(m.requests, m.refusals, m.replays, m.added, m.webhooks)
 	}
 	return m
 }
@@ -70,5 +82,11 @@ func (m *Metrics) replay(route, state string) {
 func (m *Metrics) addedLatency(route string, d time.Duration) {
 	if m != nil && d >= 0 {
 		m.added.WithLabelValues(route).Observe(d.Seconds())
+	}
+}
+
+func (m *Metrics) webhook(route, outcome string) {
+	if m != nil {
+		m.webhooks.WithLabelValues(route, outcome).Inc()
 	}
 }

@@ -12,8 +12,9 @@ import (
 )
 
 // The gateway's SQL, all of it: the responses it keeps for replays
-// (reconciler.gateway_responses, migration 00009). Every time is the
-// database's.
+// (reconciler.gateway_responses, migration 00009) and its webhooks
+// (reconciler.webhook_receipts and webhook_deliveries, migration 00010).
+// Every time is the database's.
 const (
 	sqlRecord = `INSERT INTO reconciler.gateway_responses
 		(receipt_id, agent, status, headers, body, body_bytes, expires_at)
@@ -24,6 +25,53 @@ const (
 	sqlExpire = `DELETE FROM reconciler.gateway_responses WHERE receipt_id IN (
 		SELECT receipt_id FROM reconciler.gateway_responses
 		WHERE expires_at <= clock_timestamp() ORDER BY expires_at LIMIT $1)`
+
+	// sqlRegisterWebhook records that a receipt was made through a route
+	// with a webhook and, when it has settled already, queues its event.
+	// FOR SHARE orders it with a settlement in flight: that one either
+	// committed before (the row is read as settled here) or waits for this
+	// statement to commit (and its trigger then sees the registration).
+	sqlRegisterWebhook = `WITH r AS (
+			SELECT id, state FROM reconciler.receipts WHERE id = $1 FOR SHARE),
+		reg AS (
+			INSERT INTO reconciler.webhook_receipts (receipt_id, route)
+			SELECT id, $2 FROM r ON CONFLICT DO NOTHING RETURNING receipt_id, route)
+		INSERT INTO reconciler.webhook_deliveries (receipt_id, state, route)
+		SELECT r.id, r.state, reg.route FROM r JOIN reg ON reg.receipt_id = r.id
+		WHERE r.state IN ('succeeded', 'safe_to_retry', 'rejected', 'manual_review')
+		ON CONFLICT DO NOTHING`
+	// sqlClaimWebhooks leases due deliveries of the routes given: attempts
+	// counts the attempt about to be made (and fences its outcome), and
+	// next_attempt_at moves past the attempt's end so no other gateway
+	// claims the row meanwhile.
+	sqlClaimWebhooks = `UPDATE reconciler.webhook_deliveries d
+		SET attempts = d.attempts + 1, last_attempt_at = clock_timestamp(),
+		    next_attempt_at = clock_timestamp() + $3::interval
+		FROM reconciler.receipts r
+		WHERE (d.receipt_id, d.state) IN (
+			SELECT receipt_id, state FROM reconciler.webhook_deliveries
+			WHERE delivered_at IS NULL AND gave_up_at IS NULL AND next_attempt_at <= clock_timestamp()
+			  AND route = ANY($1)
+			ORDER BY next_attempt_at LIMIT $2 FOR UPDATE SKIP LOCKED)
+		  AND r.id = d.receipt_id
+		RETURNING d.receipt_id, d.state, d.route, d.attempts, d.settled_at, r.idempotency_key,
+		          r.operation, r.dependency, coalesce(r.external_id, ''), r.attempt`
+	sqlWebhookDelivered = `UPDATE reconciler.webhook_deliveries
+		SET delivered_at = clock_timestamp(), last_status = $4, last_error = NULL
+		WHERE receipt_id = $1 AND state = $2 AND attempts = $3 AND delivered_at IS NULL`
+	// sqlWebhookFailed schedules the next attempt, or gives the event up
+	// when its attempts or its age ran out.
+	sqlWebhookFailed = `UPDATE reconciler.webhook_deliveries
+		SET last_status = $4, last_error = $5, next_attempt_at = clock_timestamp() + $6::interval,
+		    gave_up_at = CASE WHEN attempts >= $7 OR settled_at + $8::interval <= clock_timestamp()
+		                      THEN clock_timestamp() END
+		WHERE receipt_id = $1 AND state = $2 AND attempts = $3 AND delivered_at IS NULL
+		RETURNING gave_up_at IS NOT NULL`
+	// sqlWebhookNextDue is how long until the next pending delivery of the
+	// routes given is due, in seconds (NULL: none pending).
+	sqlWebhookNextDue = `SELECT extract(epoch FROM min(next_attempt_at) - clock_timestamp())::float8
+		FROM reconciler.webhook_deliveries
+		WHERE delivered_at IS NULL AND gave_up_at IS NULL AND route = ANY($1)`
 )
 
 // storedResponse is a settled call's response as kept for replays.
@@ -73,4 +121,88 @@ func (s store) expire(ctx context.Context, limit int) (int64, error) {
 		return 0, fmt.Errorf("gateway: expire responses: %w", err)
 	}
 	return tag.RowsAffected(), nil
+}
+
+// claimedDelivery is a webhook delivery leased for one attempt.
+type claimedDelivery struct {
+	ReceiptID      int64
+	State          string
+	Route          string
+	Attempts       int
+	SettledAt      time.Time
+	IdempotencyKey string
+	Operation      string
+	Dependency     string
+	ExternalID     string
+	Attempt        int
+}
+
+// registerWebhook records that receipt id was made through route, and
+// reports whether an event was queued at once (the receipt had settled).
+func (s store) registerWebhook(ctx context.Context, id int64, route string) (bool, error) {
+	tag, err := s.db.Exec(ctx, sqlRegisterWebhook, id, route)
+	if err != nil {
+		return false, fmt.Errorf("gateway: register the webhook of receipt %d: %w", id, err)
+	}
+	return tag.RowsAffected() > 0, nil
+}
+
+// claimWebhooks leases at most limit due deliveries of routes for lease.
+func (s store) claimWebhooks(ctx context.Context, routes []string, limit int, lease time.Duration) ([]claimedDelivery, error) {
+	rows, err := s.db.Query(ctx, sqlClaimWebhooks, routes, limit, lease)
+	if err != nil {
+		return nil, fmt.Errorf("gateway: claim webhook deliveries: %w", err)
+	}
+	out, err := pgx.CollectRows(rows, func(row pgx.CollectableRow) (claimedDelivery, error) {
+		var d claimedDelivery
+		err := row.Scan(&d.ReceiptID, &d.State, &d.Route, &d.Attempts, &d.SettledAt, &d.IdempotencyKey,
+			&d.Operation, &d.Dependency, &d.ExternalID, &d.Attempt)
+		return d, err
+	})
+	if err != nil {
+		return nil, fmt.Errorf("gateway: claim webhook deliveries: %w", err)
+	}
+	return out, nil
+}
+
+// webhookDelivered records a delivery's success; false when the claim was
+// lost (another gateway's lease, or delivered already).
+func (s store) webhookDelivered(ctx context.Context, d claimedDelivery, status int) (bool, error) {
+	tag, err := s.db.Exec(ctx, sqlWebhookDelivered, d.ReceiptID, d.State, d.Attempts, status)
+	if err != nil {
+		return false, fmt.Errorf("gateway: record the webhook of receipt %d: %w", d.ReceiptID, err)
+	}
+	return tag.RowsAffected() > 0, nil
+}
+
+// webhookFailed records a failed attempt (status 0: no answer) and
+// schedules the next one after wait, or gives up; it reports whether it
+// gave up.
+func (s store) webhookFailed(ctx context.Context, d claimedDelivery, status int, msg string, wait time.Duration, w *Webhook) (bool, error) {
+	var st *int
+	if status != 0 {
+		st = &status
+	}
+	var gaveUp bool
+	err := s.db.QueryRow(ctx, sqlWebhookFailed, d.ReceiptID, d.State, d.Attempts, st, msg, wait, w.MaxAttempts, w.MaxAge).Scan(&gaveUp)
+	if errors.Is(err, pgx.ErrNoRows) {
+		return false, nil
+	}
+	if err != nil {
+		return false, fmt.Errorf("gateway: record the webhook of receipt %d: %w", d.ReceiptID, err)
+	}
+	return gaveUp, nil
+}
+
+// webhookNextDue returns how long until the next pending delivery of
+// routes is due; ok is false when none is pending.
+func (s store) webhookNextDue(ctx context.Context, routes []string) (time.Duration, bool, error) {
+	var secs *float64
+	if err := s.db.QueryRow(ctx, sqlWebhookNextDue, routes).Scan(&secs); err != nil {
+		return 0, false, fmt.Errorf("gateway: next webhook delivery: %w", err)
+	}
+	if secs == nil {
+		return 0, false, nil
+	}
+	return time.Duration(*secs * float64(time.Second)), true, nil
 }
