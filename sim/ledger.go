@@ -2,8 +2,6 @@ package sim
 
 import (
 	"context"
-	crand "crypto/rand"
-	"encoding/hex"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -13,11 +11,10 @@ import (
 	"strings"
 	"time"
 
-	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 
+	"github.com/receiptledger/reconciler/internal/scratchdb"
 	"github.com/receiptledger/reconciler/ledger"
-	"github.com/receiptledger/reconciler/migrations"
 	"github.com/receiptledger/reconciler/readback"
 	"github.com/receiptledger/reconciler/reconcile"
 	"github.com/receiptledger/reconciler/statemachine"
@@ -247,41 +244,19 @@ func ServerDatabases(serverURL string) func(context.Context, string) (*pgxpool.P
 }
 
 func serverDatabase(ctx context.Context, serverURL, strategy string) (*pgxpool.Pool, func(), error) {
-	cfg, err := pgxpool.ParseConfig(serverURL)
+	d, err := scratchdb.Create(ctx, serverURL, "reconciler_sim")
 	if err != nil {
-		return nil, nil, fmt.Errorf("database url: %w", err)
-	}
-	admin, err := pgx.ConnectConfig(ctx, cfg.ConnConfig.Copy())
-	if err != nil {
-		return nil, nil, fmt.Errorf("connect: %w", err)
-	}
-	var b [6]byte
-	_, _ = crand.Read(b[:])
-	name := "reconciler_sim_" + hex.EncodeToString(b[:])
-	if _, err := admin.Exec(ctx, "CREATE DATABASE "+name); err != nil {
-		admin.Close(context.WithoutCancel(ctx))
-		return nil, nil, fmt.Errorf("create a database for %s (the role needs CREATEDB): %w", strategy, err)
-	}
-	cfg.ConnConfig.Database = name
-	cfg.MaxConns = MaxConns
-	pool, err := pgxpool.NewWithConfig(ctx, cfg)
-	drop := func() {
-		if pool != nil {
-			pool.Close()
-		}
-		bg, cancel := context.WithTimeout(context.WithoutCancel(ctx), 30*time.Second)
-		defer cancel()
-		_, _ = admin.Exec(bg, "DROP DATABASE IF EXISTS "+name+" WITH (FORCE)")
-		admin.Close(bg)
-	}
-	if err == nil {
-		err = migrations.Up(ctx, pool)
-	}
-	if err != nil {
-		drop()
 		return nil, nil, fmt.Errorf("database for %s: %w", strategy, err)
 	}
-	return pool, drop, nil
+	pool, err := d.Pool(ctx, MaxConns)
+	if err != nil {
+		_ = d.Drop()
+		return nil, nil, fmt.Errorf("database for %s: %w", strategy, err)
+	}
+	return pool, func() {
+		pool.Close()
+		_ = d.Drop()
+	}, nil
 }
 
 // ledgerState counts the task's receipts that are not settled, as the

@@ -3,12 +3,9 @@ package main
 import (
 	"bufio"
 	"context"
-	"crypto/rand"
-	"encoding/hex"
 	"fmt"
 	"io"
 	"log/slog"
-	"net/url"
 	"os"
 	"strconv"
 	"strings"
@@ -68,7 +65,7 @@ func benchSettle(c *cli.Context) error {
 		return cli.Exit(fmt.Sprintf("bench settle: %v", err), 1)
 	}
 	defer bdb.Close()
-	db, err := pgxpool.New(ctx, bdb.URL)
+	db, err := bdb.pool(ctx, c.Int("workers")+4)
 	if err != nil {
 		return cli.Exit(fmt.Sprintf("bench settle: %v", err), 1)
 	}
@@ -185,19 +182,4 @@ func parseVmHWM(r io.Reader) float64 {
 		}
 	}
 	return -1
-}
-
-func withDatabase(raw, name string) (string, error) {
-	u, err := url.Parse(raw)
-	if err != nil || u.Scheme == "" {
-		return "", fmt.Errorf("--database-url must be a postgres:// URL to derive the bench database from")
-	}
-	u.Path = "/" + name
-	return u.String(), nil
-}
-
-func randomHex(n int) string {
-	b := make([]byte, n)
-	_, _ = rand.Read(b)
-	return hex.EncodeToString(b)
 }

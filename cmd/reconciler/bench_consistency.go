@@ -98,7 +98,7 @@ func benchConsistency(c *cli.Context) error {
 		return cli.Exit("bench consistency: "+err.Error(), 1)
 	}
 	defer bdb.Close()
-	db, err := benchPool(ctx, bdb.URL, 48)
+	db, err := bdb.pool(ctx, 48)
 	if err != nil {
 		return cli.Exit("bench consistency: "+err.Error(), 1)
 	}

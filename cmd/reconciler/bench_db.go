@@ -8,12 +8,11 @@ import (
 	"strings"
 	"time"
 
-	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/urfave/cli/v2"
 
 	"github.com/receiptledger/reconciler/internal/pgcluster"
-	"github.com/receiptledger/reconciler/migrations"
+	"github.com/receiptledger/reconciler/internal/scratchdb"
 )
 
 // benchServerFlag is --database-url for the benches that can start their
@@ -27,18 +26,25 @@ func benchServerFlag() *cli.StringFlag {
 	}
 }
 
-// benchDB is a migrated database of a bench's own.
+// benchDB is a migrated database of a bench's own, on the server it was
+// pointed at or on a throwaway cluster.
 type benchDB struct {
-	// URL connects to it.
-	URL string
-	// Name is its name, printed by bench settle --keep.
-	Name string
-	drop func()
+	*scratchdb.DB
+	log  io.Writer
+	keep bool
+	stop func()
 }
 
-// Close drops the database (or stops the throwaway cluster). It runs even
-// after an interrupt: the bench's context is not used.
-func (b *benchDB) Close() { b.drop() }
+// Close drops the database (unless kept) and stops the throwaway cluster.
+// It runs even after an interrupt: the bench's context is not used.
+func (b *benchDB) Close() {
+	if b.keep {
+		b.Keep()
+	} else if err := b.Drop(); err != nil {
+		fmt.Fprintf(b.log, "could not %v\n", err)
+	}
+	b.stop()
+}
 
 // openBenchDB creates and migrates a database named reconciler_bench_<random>
 // on the server serverURL names, so the bench never mixes with a real
@@ -56,54 +62,19 @@ func openBenchDB(ctx context.Context, log io.Writer, serverURL string, keep bool
 		serverURL, keep = cluster.URL, false
 		stop = func() { _ = cluster.Stop() }
 	}
-	admin, err := pgx.Connect(ctx, serverURL)
+	d, err := scratchdb.Create(ctx, serverURL, "reconciler_bench")
 	if err != nil {
 		stop()
-		return nil, fmt.Errorf("connect: %w", err)
-	}
-	name := "reconciler_bench_" + randomHex(6)
-	if _, err := admin.Exec(ctx, "CREATE DATABASE "+name); err != nil {
-		admin.Close(context.WithoutCancel(ctx))
-		stop()
-		return nil, fmt.Errorf("create database (the role needs CREATEDB): %w", err)
-	}
-	b := &benchDB{Name: name, drop: func() {
-		bg, cancel := context.WithTimeout(context.WithoutCancel(ctx), 30*time.Second)
-		defer cancel()
-		if !keep {
-			if _, err := admin.Exec(bg, "DROP DATABASE IF EXISTS "+name+" WITH (FORCE)"); err != nil {
-				fmt.Fprintf(log, "could not drop database %s: %v\n", name, err)
-			}
-		}
-		admin.Close(bg)
-		stop()
-	}}
-	if b.URL, err = withDatabase(serverURL, name); err != nil {
-		b.Close()
 		return nil, err
 	}
-	db, err := pgxpool.New(ctx, b.URL)
-	if err != nil {
-		b.Close()
-		return nil, err
-	}
-	defer db.Close()
-	if err := migrations.Up(ctx, db); err != nil {
-		b.Close()
-		return nil, err
-	}
-	return b, nil
+	return &benchDB{DB: d, log: log, keep: keep, stop: stop}, nil
 }
 
-// benchPool opens a pool on url with room for conns concurrent users, so
-// that agents measure the database and not a wait for a connection.
-func benchPool(ctx context.Context, url string, conns int) (*pgxpool.Pool, error) {
-	cfg, err := pgxpool.ParseConfig(url)
-	if err != nil {
-		return nil, err
-	}
-	cfg.MaxConns = int32(max(conns, 4))
-	return pgxpool.NewWithConfig(ctx, cfg)
+// pool opens a pool on the bench's database with room for conns concurrent
+// users, so that agents measure the database and not a wait for a
+// connection.
+func (b *benchDB) pool(ctx context.Context, conns int) (*pgxpool.Pool, error) {
+	return b.Pool(ctx, max(conns, 4))
 }
 
 // parseList splits a comma-separated flag value and parses each item.

@@ -49,7 +49,7 @@ func benchGateway(c *cli.Context) error {
 	}
 	// Agents through Caller.Do and the gateway's own handlers each hold a
 	// connection per call in flight.
-	db, err := benchPool(ctx, bdb.URL, 2*maxAgents+2)
+	db, err := bdb.pool(ctx, 2*maxAgents+2)
 	if err != nil {
 		return cli.Exit("bench gateway: "+err.Error(), 1)
 	}

@@ -47,7 +47,7 @@ func benchLedger(c *cli.Context) error {
 		return cli.Exit("bench ledger: "+err.Error(), 1)
 	}
 	defer bdb.Close()
-	db, err := benchPool(ctx, bdb.URL, slices.Max(agents)+2)
+	db, err := bdb.pool(ctx, slices.Max(agents)+2)
 	if err != nil {
 		return cli.Exit("bench ledger: "+err.Error(), 1)
 	}

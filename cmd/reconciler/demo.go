@@ -3,8 +3,6 @@ package main
 import (
 	"bytes"
 	"context"
-	crand "crypto/rand"
-	"encoding/hex"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -18,11 +16,11 @@ import (
 	"sync"
 	"time"
 
-	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/urfave/cli/v2"
 
 	"github.com/receiptledger/reconciler/internal/pgcluster"
+	"github.com/receiptledger/reconciler/internal/scratchdb"
 	"github.com/receiptledger/reconciler/ledger"
 	"github.com/receiptledger/reconciler/migrations"
 	"github.com/receiptledger/reconciler/readback"
@@ -75,12 +73,21 @@ func runDemo(ctx context.Context, out io.Writer, dbURL string, tasks int, faultR
 			return err
 		}
 	} else {
-		var drop func()
-		var err error
-		if pool, drop, err = demoDatabase(ctx, out, dbURL); err != nil {
+		// A database of the demo's own, so its receipts never mix with a
+		// real ledger's and two runs never meet.
+		d, err := scratchdb.Create(ctx, dbURL, "reconciler_demo")
+		if err != nil {
 			return err
 		}
-		defer drop()
+		fmt.Fprintf(out, "working in database %s on that server (dropped at the end; the server's other databases are not touched)\n", d.Name)
+		defer func() {
+			if err := d.Drop(); err != nil {
+				fmt.Fprintf(out, "could not %v\n", err)
+			}
+		}()
+		if pool, err = d.Pool(ctx, 4); err != nil {
+			return err
+		}
 	}
 	defer pool.Close()
 	if err := migrations.Up(ctx, pool); err != nil {
@@ -209,47 +216,6 @@ func runDemo(ctx context.Context, out io.Writer, dbURL string, tasks int, faultR
 	}
 	fmt.Fprintln(out, "strict success: every task done exactly once, no duplicates, nothing lost")
 	return nil
-}
-
-// demoDatabase creates a database of the demo's own on the server dbURL
-// names, so that its receipts never mix with a real ledger's and two runs
-// never meet, and returns a pool on it and the function that closes the
-// pool and drops the database (even after an interrupt).
-func demoDatabase(ctx context.Context, out io.Writer, dbURL string) (*pgxpool.Pool, func(), error) {
-	cfg, err := pgxpool.ParseConfig(dbURL)
-	if err != nil {
-		return nil, nil, err
-	}
-	admin, err := pgx.ConnectConfig(ctx, cfg.ConnConfig.Copy())
-	if err != nil {
-		return nil, nil, err
-	}
-	var b [6]byte
-	_, _ = crand.Read(b[:])
-	name := "reconciler_demo_" + hex.EncodeToString(b[:])
-	if _, err := admin.Exec(ctx, "CREATE DATABASE "+name); err != nil {
-		admin.Close(context.WithoutCancel(ctx))
-		return nil, nil, fmt.Errorf("create a database of the demo's own (the role needs CREATEDB): %w", err)
-	}
-	fmt.Fprintf(out, "working in database %s on that server (dropped at the end; the server's other databases are not touched)\n", name)
-	cfg.ConnConfig.Database = name
-	pool, err := pgxpool.NewWithConfig(ctx, cfg)
-	drop := func() {
-		if pool != nil {
-			pool.Close()
-		}
-		bg, cancel := context.WithTimeout(context.WithoutCancel(ctx), 30*time.Second)
-		defer cancel()
-		if _, err := admin.Exec(bg, "DROP DATABASE IF EXISTS "+name+" WITH (FORCE)"); err != nil {
-			fmt.Fprintf(out, "could not drop database %s: %v\n", name, err)
-		}
-		admin.Close(bg)
-	}
-	if err != nil {
-		drop()
-		return nil, nil, err
-	}
-	return pool, drop, nil
 }
 
 func callAll(n int, f func(int) error) {
