@@ -203,6 +203,73 @@ func TestIssue7SendDeadlineCountsFromBeforeSubmit(t *testing.T) {
 	}
 }
 
+// The same on the common path, a new key planned and submitted in one
+// statement (PlanAndSubmit): Do's clock starts before that INSERT, so an
+// INSERT held up past the delay (here by a lock on the table) leaves Do
+// sending nothing, and the rejection is recorded while the database's
+// deadline, stamped when the INSERT finally ran, is still ahead.
+func TestIssue7SendDeadlineCountsFromBeforePlanAndSubmit(t *testing.T) {
+	env := newHTTPEnv(t)
+	srv := env.serve(t, status(201, `{"id":"art_1"}`))
+	caller := &ledger.Caller{Ledger: env.ledger, HTTP: testHTTPClient(t, 0)}
+	ctx := context.Background()
+	const delay = 200 * time.Millisecond
+
+	in, req := articleCall(t, srv.URL+"/api/articles", "slow-plan-and-submit")
+	in.Method, in.Target, in.MaxSendDelay = "POST", "/api/articles", delay
+	tx, err := env.pool.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer tx.Rollback(ctx)
+	if _, err := tx.Exec(ctx, `LOCK TABLE reconciler.receipts IN SHARE MODE`); err != nil {
+		t.Fatal(err)
+	}
+	type outcome struct {
+		res *ledger.Result
+		err error
+	}
+	done := make(chan outcome, 1)
+	go func() {
+		res, err := caller.Do(ctx, in, req)
+		done <- outcome{res, err}
+	}()
+	waitFor(t, "the INSERT to wait for the table lock", func() bool {
+		var n int
+		err := env.pool.QueryRow(ctx, `SELECT count(*) FROM pg_stat_activity
+			WHERE datname = current_database() AND wait_event_type = 'Lock'
+			  AND query LIKE '%INSERT INTO reconciler.receipts%'`).Scan(&n)
+		return err == nil && n > 0
+	})
+	<-time.After(delay)
+	if err := tx.Rollback(ctx); err != nil {
+		t.Fatal(err)
+	}
+	got := <-done
+	if !errors.Is(got.err, ledger.ErrNotSent) || !errors.Is(got.err, ledger.ErrSendDeadline) {
+		t.Fatalf("Do after a PlanAndSubmit slower than the delay: %v, want ErrNotSent and ErrSendDeadline", got.err)
+	}
+	if n := env.requests.Load(); n != 0 {
+		t.Fatalf("server saw %d requests, want none", n)
+	}
+	if got.res == nil || got.res.Receipt == nil {
+		t.Fatalf("Do returned no receipt: %v", got.err)
+	}
+	var ahead bool
+	var version int
+	if err := env.pool.QueryRow(ctx, `SELECT e.at < r.submitted_at + r.max_send_delay, r.version
+		FROM reconciler.receipts r JOIN reconciler.receipt_events e ON e.receipt_id = r.id AND e.to_state = 'rejected'
+		WHERE r.id = $1`, got.res.Receipt.ID).Scan(&ahead, &version); err != nil {
+		t.Fatal(err)
+	}
+	if version != 3 {
+		t.Errorf("receipt version %d, want 3 (planned and submitted in one statement, then rejected)", version)
+	}
+	if !ahead {
+		t.Errorf("Do rejected the receipt after the database's send deadline: the local deadline started too late")
+	}
+}
+
 // waitFor polls cond until it holds, failing the test after 30 s.
 func waitFor(t *testing.T, what string, cond func() bool) {
 	t.Helper()
