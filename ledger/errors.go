@@ -115,6 +115,8 @@ const (
 	codeDuplicate  = "RL005"
 	codeInvalidKey = "RL007"
 	codeKnownKey   = "RL008"
+	// codeUniqueKey is PostgreSQL's unique_violation.
+	codeUniqueKey = "23505"
 )
 
 // pgCode returns the SQLSTATE of err, or "".

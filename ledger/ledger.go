@@ -343,7 +343,11 @@ func (c *Client) PlanAndSubmit(ctx context.Context, in Intent) (*Receipt, error)
 	// key's form and uniqueness, the duplicate guard under the intent's
 	// lock) and write both events, without the function's extra lookups.
 	// Any refusal is asked again of reconciler.plan, whose answer tells a
-	// known key (ErrKnownKey) from a duplicate or a conflicting reuse.
+	// known key (ErrKnownKey) from a duplicate or a conflicting reuse. A
+	// refusal by the key's own uniqueness says the key is known (its row
+	// is committed, and receipt_keys is insert-only), so plan is asked
+	// without submit: it returns the key's receipt (or refuses a
+	// conflicting reuse) in the one round trip, with no read after it.
 	r, err := scanReceipt(c.pool.QueryRow(ctx, `INSERT INTO reconciler.receipts
 		(idempotency_key, operation, dependency, method, target, fingerprint, intent, state_actor,
 		 pre_image, max_send_delay, guarded, state)
@@ -351,8 +355,12 @@ func (c *Client) PlanAndSubmit(ctx context.Context, in Intent) (*Receipt, error)
 		RETURNING `+receiptColumns,
 		in.IdempotencyKey, in.Operation, in.Dependency, strings.ToUpper(in.Method), in.Target,
 		fp.Fingerprint, fp.Intent, string(c.actor), preImage(in.PreImage), sendDelay(in), !in.AllowDuplicate))
-	var pe *pgconn.PgError
-	if errors.As(err, &pe) {
+	if code, pe := pgCode(err); code == codeUniqueKey && pe.ConstraintName == "receipt_keys_pkey" {
+		if r, err = c.plan(ctx, in, fp, 0, false); err != nil {
+			return nil, err
+		}
+		return r, fmt.Errorf("ledger: plan %s: %w", in.IdempotencyKey, ErrKnownKey)
+	} else if pe != nil {
 		return c.plan(ctx, in, fp, 0, true)
 	}
 	if err != nil {

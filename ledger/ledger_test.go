@@ -82,6 +82,56 @@ func TestPlanKeyReusedForAnotherIntent(t *testing.T) {
 	}
 }
 
+// PlanAndSubmit submits a new key only: a known key (planned, submitted or
+// settled) comes back as it is with ErrKnownKey and nothing recorded, and a
+// known key reused for another intent is ErrKeyConflict.
+func TestPlanAndSubmitKnownKey(t *testing.T) {
+	c := newClient(t)
+	ctx := context.Background()
+	events := func(id int64) int {
+		t.Helper()
+		h, err := c.History(ctx, id)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return len(h)
+	}
+	sub, err := c.PlanAndSubmit(ctx, article("fresh"))
+	if err != nil || sub.State != statemachine.Submitted || sub.Version != 2 || events(sub.ID) != 2 {
+		t.Fatalf("new key: %+v, %v; want submitted, version 2, two events", sub, err)
+	}
+	again, err := c.PlanAndSubmit(ctx, article("fresh"))
+	if !errors.Is(err, ledger.ErrKnownKey) || again == nil || again.ID != sub.ID || again.Version != 2 || events(sub.ID) != 2 {
+		t.Fatalf("submitted key again: %+v, %v; want receipt %d unchanged with ErrKnownKey", again, err, sub.ID)
+	}
+	// The same intent planned under another key (opted out of the guard):
+	// whether the INSERT is refused by the key's uniqueness (no guard) or
+	// by the guard (the intent is unresolved in "fresh"), the known key is
+	// returned, still planned, not submitted nor refused as a duplicate.
+	in := article("planned")
+	in.AllowDuplicate = true
+	planned, err := c.Plan(ctx, in)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, guarded := range []bool{false, true} {
+		in.AllowDuplicate = !guarded
+		got, err := c.PlanAndSubmit(ctx, in)
+		if !errors.Is(err, ledger.ErrKnownKey) || got == nil || got.ID != planned.ID || got.State != statemachine.Planned {
+			t.Fatalf("planned key (guarded %v): %+v, %v; want receipt %d still planned with ErrKnownKey", guarded, got, err, planned.ID)
+		}
+	}
+	other := article("planned")
+	other.Payload = json.RawMessage(`{"title":"Something else"}`)
+	if _, err := c.PlanAndSubmit(ctx, other); !errors.Is(err, ledger.ErrKeyConflict) {
+		t.Fatalf("planned key, other intent: %v, want ErrKeyConflict", err)
+	}
+	var n int
+	if err := c.Pool().QueryRow(ctx, `SELECT count(*) FROM reconciler.receipts`).Scan(&n); err != nil || n != 2 {
+		t.Fatalf("%d receipts (%v), want 2", n, err)
+	}
+}
+
 func TestDuplicateBlockedThenRetry(t *testing.T) {
 	c := newClient(t)
 	ctx := context.Background()
