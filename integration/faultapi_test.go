@@ -459,6 +459,19 @@ func verifyAgainstTruth(t *testing.T, st ledgerState, truth map[int64]bool) verd
 	return v
 }
 
+// verifyNoReview is checkHistories and verifyAgainstTruth for a run in
+// which every receipt can be proven: it fails if any went to manual_review,
+// saying why none should have (why, appended to the message).
+func verifyNoReview(t *testing.T, db *pgxpool.Pool, truth map[int64]bool, why string) (ledgerState, verdicts) {
+	t.Helper()
+	st := checkHistories(t, db)
+	v := verifyAgainstTruth(t, st, truth)
+	if v.manualReview != 0 {
+		t.Fatalf("%d receipts sent to manual_review (%s)%s", v.manualReview, reasons(v.manualReasons), why)
+	}
+	return st, v
+}
+
 // unsettled counts the receipts of truth not yet settled.
 func unsettled(t *testing.T, db *pgxpool.Pool, truth map[int64]bool) int {
 	t.Helper()

@@ -26,9 +26,9 @@ func benchServerFlag() *cli.StringFlag {
 	}
 }
 
-// benchDB is a migrated database of a bench's own, on the server it was
-// pointed at or on a throwaway cluster.
-type benchDB struct {
+// scratchDB is a migrated database of a command's own (a bench, the demo),
+// on the server it was pointed at or on a throwaway cluster.
+type scratchDB struct {
 	*scratchdb.DB
 	log  io.Writer
 	keep bool
@@ -36,8 +36,8 @@ type benchDB struct {
 }
 
 // Close drops the database (unless kept) and stops the throwaway cluster.
-// It runs even after an interrupt: the bench's context is not used.
-func (b *benchDB) Close() {
+// It runs even after an interrupt: the command's context is not used.
+func (b *scratchDB) Close() {
 	if b.keep {
 		b.Keep()
 	} else if err := b.Drop(); err != nil {
@@ -47,33 +47,55 @@ func (b *benchDB) Close() {
 }
 
 // openBenchDB creates and migrates a database named reconciler_bench_<random>
-// on the server serverURL names, so the bench never mixes with a real
+// on the server serverURL names, or on a throwaway cluster without one; see
+// openScratchDB.
+func openBenchDB(ctx context.Context, log io.Writer, serverURL string, keep bool) (*scratchDB, error) {
+	return openScratchDB(ctx, log, serverURL, "reconciler_bench", keep)
+}
+
+// openScratchDB creates and migrates a database named <prefix>_<random> on
+// the server serverURL names, so the command never mixes with a real
 // ledger's receipts and two runs never meet; with serverURL empty it starts
 // a throwaway cluster instead (when local server binaries exist). With keep,
-// the database is left in place. Progress goes to log.
-func openBenchDB(ctx context.Context, log io.Writer, serverURL string, keep bool) (*benchDB, error) {
-	stop := func() {}
-	if serverURL == "" {
-		fmt.Fprintln(log, "starting a throwaway Postgres cluster from the local server binaries ...")
-		cluster, err := pgcluster.Start()
-		if err != nil {
-			return nil, fmt.Errorf("no --database-url and no local cluster: %w", err)
-		}
-		serverURL, keep = cluster.URL, false
-		stop = func() { _ = cluster.Stop() }
+// the database is left in place (never on a throwaway cluster). Progress
+// goes to log.
+func openScratchDB(ctx context.Context, log io.Writer, serverURL, prefix string, keep bool) (*scratchDB, error) {
+	serverURL, stop, err := serverOrThrowaway(log, serverURL)
+	if err != nil {
+		return nil, err
 	}
-	d, err := scratchdb.Create(ctx, serverURL, "reconciler_bench")
+	if stop != nil {
+		keep = false
+	} else {
+		stop = func() {}
+	}
+	d, err := scratchdb.Create(ctx, serverURL, prefix)
 	if err != nil {
 		stop()
 		return nil, err
 	}
-	return &benchDB{DB: d, log: log, keep: keep, stop: stop}, nil
+	return &scratchDB{DB: d, log: log, keep: keep, stop: stop}, nil
+}
+
+// serverOrThrowaway returns serverURL when it is set, and otherwise starts a
+// throwaway cluster from the local server binaries and returns its URL and
+// the function that stops it (nil for a given server).
+func serverOrThrowaway(log io.Writer, serverURL string) (string, func(), error) {
+	if serverURL != "" {
+		return serverURL, nil, nil
+	}
+	fmt.Fprintln(log, "starting a throwaway Postgres cluster from the local server binaries ...")
+	cluster, err := pgcluster.Start()
+	if err != nil {
+		return "", nil, fmt.Errorf("no --database-url and no local cluster: %w", err)
+	}
+	return cluster.URL, func() { _ = cluster.Stop() }, nil
 }
 
 // pool opens a pool on the bench's database with room for conns concurrent
 // users, so that agents measure the database and not a wait for a
 // connection.
-func (b *benchDB) pool(ctx context.Context, conns int) (*pgxpool.Pool, error) {
+func (b *scratchDB) pool(ctx context.Context, conns int) (*pgxpool.Pool, error) {
 	return b.Pool(ctx, max(conns, 4))
 }
 

@@ -19,10 +19,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/urfave/cli/v2"
 
-	"github.com/receiptledger/reconciler/internal/pgcluster"
-	"github.com/receiptledger/reconciler/internal/scratchdb"
 	"github.com/receiptledger/reconciler/ledger"
-	"github.com/receiptledger/reconciler/migrations"
 	"github.com/receiptledger/reconciler/readback"
 	"github.com/receiptledger/reconciler/reconcile"
 	"github.com/receiptledger/reconciler/statemachine"
@@ -61,38 +58,21 @@ func demoCommand() *cli.Command {
 }
 
 func runDemo(ctx context.Context, out io.Writer, dbURL string, tasks int, faultRate float64, seed uint64) error {
-	var pool *pgxpool.Pool
-	if dbURL == "" {
-		fmt.Fprintln(out, "starting a throwaway Postgres cluster from the local server binaries ...")
-		cluster, err := pgcluster.Start()
-		if err != nil {
-			return fmt.Errorf("no --database-url and no local cluster: %w", err)
-		}
-		defer cluster.Stop()
-		if pool, err = pgxpool.New(ctx, cluster.URL); err != nil {
-			return err
-		}
-	} else {
-		// A database of the demo's own, so its receipts never mix with a
-		// real ledger's and two runs never meet.
-		d, err := scratchdb.Create(ctx, dbURL, "reconciler_demo")
-		if err != nil {
-			return err
-		}
-		fmt.Fprintf(out, "working in database %s on that server (dropped at the end; the server's other databases are not touched)\n", d.Name)
-		defer func() {
-			if err := d.Drop(); err != nil {
-				fmt.Fprintf(out, "could not %v\n", err)
-			}
-		}()
-		if pool, err = d.Pool(ctx, 4); err != nil {
-			return err
-		}
-	}
-	defer pool.Close()
-	if err := migrations.Up(ctx, pool); err != nil {
+	// A database of the demo's own, so its receipts never mix with a real
+	// ledger's and two runs never meet.
+	db, err := openScratchDB(ctx, out, dbURL, "reconciler_demo", false)
+	if err != nil {
 		return err
 	}
+	defer db.Close()
+	if dbURL != "" {
+		fmt.Fprintf(out, "working in database %s on that server (dropped at the end; the server's other databases are not touched)\n", db.Name)
+	}
+	pool, err := db.Pool(ctx, 4)
+	if err != nil {
+		return err
+	}
+	defer pool.Close()
 
 	api := newFakeBlog(seed, faultRate)
 	ln, err := net.Listen("tcp", "127.0.0.1:0")

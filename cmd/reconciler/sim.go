@@ -13,7 +13,6 @@ import (
 
 	"github.com/urfave/cli/v2"
 
-	"github.com/receiptledger/reconciler/internal/pgcluster"
 	"github.com/receiptledger/reconciler/sim"
 )
 
@@ -72,17 +71,15 @@ func simCommand() *cli.Command {
 
 func runSim(ctx context.Context, out, progress io.Writer, dbURL string, o sim.Options, asJSON, asCSV bool, svgPath string) error {
 	needsDB := len(o.Strategies) == 0 || slices.Contains(o.Strategies, sim.Ledger) || slices.Contains(o.Strategies, sim.LedgerReconciler)
-	if needsDB && dbURL == "" {
-		fmt.Fprintln(progress, "starting a throwaway Postgres cluster from the local server binaries ...")
-		cluster, err := pgcluster.Start()
-		if err != nil {
-			return fmt.Errorf("no --database-url and no local cluster: %w", err)
-		}
-		defer cluster.Stop()
-		dbURL = cluster.URL
-	}
 	if needsDB {
-		o.Database = sim.ServerDatabases(dbURL)
+		serverURL, stop, err := serverOrThrowaway(progress, dbURL)
+		if err != nil {
+			return err
+		}
+		if stop != nil {
+			defer stop()
+		}
+		o.Database = sim.ServerDatabases(serverURL)
 	}
 	o.Progress = progressPrinter(progress)
 	start := time.Now()
