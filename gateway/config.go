@@ -299,7 +299,7 @@ func ParseConfig(name string, data []byte, lookupEnv func(string) (string, bool)
 	}
 	for i, h := range cfg.ReplayHeaders {
 		cfg.ReplayHeaders[i] = http.CanonicalHeaderKey(h)
-		if sensitiveHeader(cfg.ReplayHeaders[i]) {
+		if redact.SensitiveHeader(cfg.ReplayHeaders[i]) {
 			return nil, fail(fmt.Sprintf("replay.headers[%d]", i), fmt.Errorf("%s may carry a credential: it is never stored", h))
 		}
 	}
@@ -569,20 +569,6 @@ func hasDotSegment(escaped string) bool {
 			return true
 		}
 		if s == "." || s == ".." {
-			return true
-		}
-	}
-	return false
-}
-
-// sensitiveHeader reports whether a header may carry a credential.
-func sensitiveHeader(name string) bool {
-	n := strings.ToLower(name)
-	if n == "authorization" || n == "proxy-authorization" || n == "cookie" || n == "set-cookie" {
-		return true
-	}
-	for _, w := range []string{"key", "token", "secret", "password", "signature", "session", "auth"} {
-		if strings.Contains(n, w) {
 			return true
 		}
 	}
