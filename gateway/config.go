@@ -15,6 +15,7 @@ import (
 
 	"go.yaml.in/yaml/v3"
 
+	"github.com/receiptledger/reconciler/internal/credential"
 	"github.com/receiptledger/reconciler/internal/redact"
 	"github.com/receiptledger/reconciler/ledger"
 )
@@ -299,7 +300,7 @@ func ParseConfig(name string, data []byte, lookupEnv func(string) (string, bool)
 	}
 	for i, h := range cfg.ReplayHeaders {
 		cfg.ReplayHeaders[i] = http.CanonicalHeaderKey(h)
-		if sensitiveHeader(cfg.ReplayHeaders[i]) {
+		if redact.SensitiveHeader(cfg.ReplayHeaders[i]) {
 			return nil, fail(fmt.Sprintf("replay.headers[%d]", i), fmt.Errorf("%s may carry a credential: it is never stored", h))
 		}
 	}
@@ -417,24 +418,14 @@ func compileRoute(ry routeYAML, lookupEnv func(string) (string, bool)) (*Route, 
 		if err != nil {
 			return nil, "auth", err
 		}
-		r.redactor.Add(secret)
-		switch a.Scheme {
-		case "", "bearer":
-			r.authHeader, r.authValue = "Authorization", "Bearer "+secret
-		case "basic":
-			user, pass, _ := strings.Cut(secret, ":")
-			req := &http.Request{Header: http.Header{}}
-			req.SetBasicAuth(user, pass)
-			r.authHeader, r.authValue = "Authorization", req.Header.Get("Authorization")
-			r.redactor.AddBasic(user, pass)
-		case "header":
-			if a.Header == "" {
-				return nil, "auth.header", errors.New("required with scheme header")
+		if r.authHeader, r.authValue, err = credential.Header(a.Scheme, a.Header, secret); err != nil {
+			if ce := (*credential.Error)(nil); errors.As(err, &ce) {
+				return nil, "auth." + ce.Field, ce.Err
 			}
-			r.authHeader, r.authValue = http.CanonicalHeaderKey(a.Header), secret
-		default:
-			return nil, "auth.scheme", fmt.Errorf("want bearer, basic or header, got %q", a.Scheme)
+			return nil, "auth", err
 		}
+		r.redactor.Add(secret)
+		r.redactor.AddHeader(r.authValue)
 	}
 	if ry.Webhook != nil {
 		w, fld, err := compileWebhook(*ry.Webhook, lookupEnv)
@@ -498,27 +489,7 @@ func redactURL(raw string) string {
 // resolveSecret reads a credential from the environment or a file. Errors
 // name the variable or the file, never the value.
 func resolveSecret(s secretYAML, lookupEnv func(string) (string, bool)) (string, error) {
-	switch {
-	case s.Env != "" && s.File != "":
-		return "", errors.New("set env or file, not both")
-	case s.Env != "":
-		v, ok := lookupEnv(s.Env)
-		if !ok || v == "" {
-			return "", fmt.Errorf("environment variable %s is not set", s.Env)
-		}
-		return v, nil
-	case s.File != "":
-		b, err := os.ReadFile(s.File)
-		if err != nil {
-			return "", err
-		}
-		v := strings.TrimRight(string(b), "\r\n")
-		if v == "" {
-			return "", fmt.Errorf("%s is empty", s.File)
-		}
-		return v, nil
-	}
-	return "", errors.New("needs env (an environment variable) or file")
+	return credential.Resolve(s.Env, s.File, lookupEnv)
 }
 
 // operation returns the operation of a call to path (relative to the
@@ -569,20 +540,6 @@ func hasDotSegment(escaped string) bool {
 			return true
 		}
 		if s == "." || s == ".." {
-			return true
-		}
-	}
-	return false
-}
-
-// sensitiveHeader reports whether a header may carry a credential.
-func sensitiveHeader(name string) bool {
-	n := strings.ToLower(name)
-	if n == "authorization" || n == "proxy-authorization" || n == "cookie" || n == "set-cookie" {
-		return true
-	}
-	for _, w := range []string{"key", "token", "secret", "password", "signature", "session", "auth"} {
-		if strings.Contains(n, w) {
 			return true
 		}
 	}

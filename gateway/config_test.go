@@ -30,6 +30,7 @@ func TestConfigErrorsNameTheField(t *testing.T) {
 		{"webhook secret not set", "timeout: 2s", "timeout: 2s\n    webhook: {url: 'https://h/x', secret: {env: NOPE}}", "routes[0].webhook.secret: environment variable NOPE"},
 		{"webhook bad attempts", "timeout: 2s", "timeout: 2s\n    webhook: {url: 'https://h/x', secret: {env: HOOK_SECRET}, max_attempts: -1}", "routes[0].webhook.max_attempts"},
 		{"credential header kept", "replay: {retention: 1h}", "replay: {headers: [Set-Cookie]}", "replay.headers[0]"},
+		{"credential header named so", "replay: {retention: 1h}", "replay: {headers: [Content-Type, X-Upstream-Credential]}", "replay.headers[1]"},
 	}
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {

@@ -585,16 +585,18 @@ func (g *Gateway) replay(w http.ResponseWriter, r *http.Request, c *call, rc *le
 }
 
 // record keeps a settled call's response for replays: the status, the
-// headers the file names, and the body (with every form of the route's
-// credential removed) when within the replay bound.
+// headers the file names and the body when within the replay bound, both
+// with every form of the route's credential removed.
 func (g *Gateway) record(ctx context.Context, c *call, res *ledger.Result) {
 	if res == nil || res.Response == nil || res.Receipt == nil {
 		return
 	}
 	kept := storedResponse{Agent: c.agent, Status: res.Response.StatusCode, Headers: http.Header{}, BodyBytes: int64(len(res.Body))}
 	for _, h := range g.cfg.ReplayHeaders {
-		if vs := res.Response.Header.Values(h); len(vs) > 0 {
-			kept.Headers[h] = vs
+		for _, v := range res.Response.Header.Values(h) {
+			// An API may echo the credential in a kept header too
+			// (a Location with the key in its query).
+			kept.Headers[h] = append(kept.Headers[h], c.route.redactor.String(v))
 		}
 	}
 	if int64(len(res.Body)) <= g.cfg.ReplayBodyBytes {

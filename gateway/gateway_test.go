@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"net/http"
 	"net/http/httptest"
+	"net/url"
 	"strconv"
 	"strings"
 	"sync"
@@ -60,7 +61,9 @@ func (u *fakeUpstream) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		w.Header().Set("Location", u.other+"/elsewhere")
 		w.WriteHeader(http.StatusFound)
 	case "/api/echo":
-		// An API that echoes the credential it was sent.
+		// An API that echoes the credential it was sent, in a kept
+		// header and in the body.
+		w.Header().Set("Location", "/api/echo/"+strconv.Itoa(n)+"?seen="+url.QueryEscape(r.Header.Get("Authorization")))
 		w.WriteHeader(http.StatusCreated)
 		_ = json.NewEncoder(w).Encode(map[string]string{"id": "echo-" + strconv.Itoa(n), "seen": r.Header.Get("Authorization")})
 	default:
@@ -225,8 +228,9 @@ func TestCredentialsStayInTheGateway(t *testing.T) {
 		}
 	}
 	replay := e.post(t, "/blog/echo", "k-echo", `{"title":"echo"}`)
-	if replay.status != http.StatusCreated || strings.Contains(string(replay.body), upstreamKey) {
-		t.Fatalf("replay: %d %s", replay.status, replay.body)
+	if replay.status != http.StatusCreated || strings.Contains(string(replay.body), upstreamKey) ||
+		replay.header.Get("Location") == "" || strings.Contains(replay.header.Get("Location"), upstreamKey) {
+		t.Fatalf("replay: %d %v %s", replay.status, replay.header, replay.body)
 	}
 }
 

@@ -161,7 +161,8 @@ func (e *env) countText(t *testing.T, s string) int {
 		(SELECT count(*) FROM reconciler.receipts r WHERE r::text LIKE '%' || $1 || '%') +
 		(SELECT count(*) FROM reconciler.receipt_events e WHERE e::text LIKE '%' || $1 || '%') +
 		(SELECT count(*) FROM reconciler.gateway_responses g
-		  WHERE g::text LIKE '%' || $1 || '%' OR position(convert_to($1, 'UTF8') in coalesce(g.body, '')) > 0)`, s).Scan(&n)
+		  WHERE g::text LIKE '%' || $1 || '%' OR position(convert_to($1, 'UTF8') in coalesce(g.body, '')) > 0) +
+		(SELECT count(*) FROM reconciler.webhook_deliveries d WHERE d::text LIKE '%' || $1 || '%')`, s).Scan(&n)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -11,6 +11,7 @@ import (
 	"io"
 	"net/http"
 	"net/http/httptest"
+	"strconv"
 	"strings"
 	"sync"
 	"testing"
@@ -110,7 +111,7 @@ func (rc *receiver) next(t *testing.T) gateway.WebhookEvent {
 
 // hookRoute is the webhook block of the test route.
 func hookRoute(url string) string {
-	return "    webhook: {url: " + url + "/hooks, secret: {env: HOOK_SECRET}, timeout: 2s, max_attempts: 5}\n"
+	return "    webhook: {url: '" + url + "/hooks', secret: {env: HOOK_SECRET}, timeout: 2s, max_attempts: 5}\n"
 }
 
 // hookGateway is a gateway over db whose route posts its settlements to
@@ -273,6 +274,41 @@ func TestWebhookRedirectNotFollowedAndGivenUp(t *testing.T) {
 	}
 	if hookCounter(t, reg, "gave_up") != 1 {
 		t.Fatal("the gave_up outcome is not counted")
+	}
+}
+
+// A receiver that does not answer: the error recorded for each attempt
+// names neither the receiver's token (in the URL's query) nor the
+// webhook's secret.
+func TestWebhookErrorStoresNoCredential(t *testing.T) {
+	db := pgtest.NewPool(t)
+	up := httptest.NewServer(newFakeUpstream())
+	t.Cleanup(up.Close)
+	dead := httptest.NewServer(http.NotFoundHandler())
+	dead.Close()
+	const receiverToken = "rcv_token_0123456789abcdef"
+	// hookRoute appends "/hooks": here it ends the token's query value.
+	gw, reg := hookGateway(t, db, up.URL, dead.URL+"/in?token="+receiverToken, true)
+	e := &env{db: db, gw: gw, metrics: reg}
+	ok := e.post(t, "/blog/articles", "k-no-answer", `{"title":"hello"}`)
+	id, err := strconv.ParseInt(ok.header.Get(gateway.HeaderReceiptID), 10, 64)
+	if err != nil {
+		t.Fatalf("call: %d %v", ok.status, ok.header)
+	}
+	deadline := time.Now().Add(20 * time.Second)
+	for d := deliveryOf(t, db, id, "succeeded"); d.attempts < 2 || d.lastError == nil; d = deliveryOf(t, db, id, "succeeded") {
+		if time.Now().After(deadline) {
+			t.Fatalf("no failed attempt recorded: %+v", d)
+		}
+		time.Sleep(5 * time.Millisecond) // polling a condition
+	}
+	if d := deliveryOf(t, db, id, "succeeded"); !strings.HasPrefix(*d.lastError, "no answer") {
+		t.Fatalf("last error %q", *d.lastError)
+	}
+	for _, s := range []string{receiverToken, hookSecret, upstreamKey, tokenA} {
+		if n := e.countText(t, s); n != 0 {
+			t.Fatalf("a credential is stored in %d rows", n)
+		}
 	}
 }
 

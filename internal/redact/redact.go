@@ -150,10 +150,10 @@ func (r *Redactor) AddURL(u *url.URL, pathSecret bool) {
 	}
 }
 
-// sensitiveHeader reports whether a header carries credentials: the auth
+// SensitiveHeader reports whether a header carries credentials: the auth
 // headers, cookies, and any header whose name says key, token, secret,
-// password, signature, session or auth.
-func sensitiveHeader(name string) bool {
+// password, signature, session, auth or credential.
+func SensitiveHeader(name string) bool {
 	n := strings.ToLower(name)
 	switch n {
 	case "authorization", "proxy-authorization", "cookie", "set-cookie":
@@ -176,7 +176,7 @@ func ForRequest(req *http.Request, pathSecret bool) *Redactor {
 		return r
 	}
 	for name, vs := range req.Header {
-		if sensitiveHeader(name) {
+		if SensitiveHeader(name) {
 			for _, v := range vs {
 				r.AddHeader(v)
 			}

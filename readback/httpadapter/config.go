@@ -5,7 +5,6 @@ import (
 	"fmt"
 	"net/http"
 	"net/url"
-	"os"
 	"reflect"
 	"slices"
 	"sort"
@@ -14,6 +13,7 @@ import (
 
 	"go.yaml.in/yaml/v3"
 
+	"github.com/receiptledger/reconciler/internal/credential"
 	"github.com/receiptledger/reconciler/readback"
 )
 
@@ -456,45 +456,24 @@ func compileAuth(a *authYAML, o *options) (*auth, error) {
 	if a == nil {
 		return nil, nil
 	}
-	var secret string
-	switch {
-	case a.Env != "" && a.File != "":
-		return nil, fieldErr("auth.file", "set env or file, not both")
-	case a.Env != "":
-		v, ok := o.lookupEnv(a.Env)
-		if !ok || v == "" {
-			return nil, fieldErr("auth.env", "environment variable %s is not set", a.Env)
-		}
-		secret = v
-	case a.File != "":
-		b, err := os.ReadFile(a.File)
-		if err != nil {
-			// The path is not secret; the content is never printed.
-			return nil, fieldErr("auth.file", "%v", err)
-		}
-		secret = strings.TrimRight(string(b), "\r\n")
-		if secret == "" {
-			return nil, fieldErr("auth.file", "%s is empty", a.File)
-		}
-	default:
-		return nil, fieldErr("auth.env", "auth needs env (an environment variable) or file")
+	secret, err := credential.Resolve(a.Env, a.File, o.lookupEnv)
+	if err != nil {
+		return nil, authErr(err)
 	}
-	switch a.Scheme {
-	case "", "bearer":
-		return &auth{header: "Authorization", value: "Bearer " + secret, secret: secret}, nil
-	case "basic":
-		// The secret is "user:password" (Stripe: "sk_...:").
-		user, pass, _ := strings.Cut(secret, ":")
-		r := &http.Request{Header: http.Header{}}
-		r.SetBasicAuth(user, pass)
-		return &auth{header: "Authorization", value: r.Header.Get("Authorization"), secret: secret}, nil
-	case "header":
-		if a.Header == "" {
-			return nil, fieldErr("auth.header", "is required with scheme header")
-		}
-		return &auth{header: a.Header, value: secret, secret: secret}, nil
+	header, value, err := credential.Header(a.Scheme, a.Header, secret)
+	if err != nil {
+		return nil, authErr(err)
 	}
-	return nil, fieldErr("auth.scheme", "want bearer, basic or header, got %q", a.Scheme)
+	return &auth{header: header, value: value, secret: secret}, nil
+}
+
+// authErr is a credential's error as a field error of the auth block.
+func authErr(err error) error {
+	var ce *credential.Error
+	if errors.As(err, &ce) {
+		return fieldErr("auth."+ce.Field, "%v", ce.Err)
+	}
+	return err
 }
 
 func (c *config) tmpl(field, s string) (template, error) {
