@@ -538,6 +538,60 @@ func TestRetriedCompleteIsIdempotent(t *testing.T) {
 	}
 }
 
+// The pool records each check as its adapter answers (RecordChecks) and
+// repeats a record whose commit is unknown with RecordChecksAgain; the
+// settlement then counts the check without writing it again. A repeat that
+// wrote the check twice, or a Complete that did, would leave two records of
+// one read in the audit trail.
+func TestRetriedRecordChecksIsIdempotent(t *testing.T) {
+	ctx := context.Background()
+	db := pgtest.NewPool(t)
+	ids := seed(t, db, 2, "things.create", "fake-api", "outcome_unknown")
+	store, err := reconcile.NewStore(db, "record-test")
+	if err != nil {
+		t.Fatal(err)
+	}
+	now := time.Now().Add(time.Second)
+	claimed, err := store.Claim(ctx, now, 10, time.Minute)
+	if err != nil || len(claimed) != 2 {
+		t.Fatalf("claimed %d, %v", len(claimed), err)
+	}
+	checks := make([]reconcile.ReceiptCheck, len(claimed))
+	outs := make([]reconcile.Outcome, len(claimed))
+	for i, c := range claimed {
+		rec := &reconcile.CheckRecord{CheckNo: 1, At: now, Adapter: "a", Dependency: "fake-api", Verdict: "absent", Latency: time.Millisecond}
+		checks[i] = reconcile.ReceiptCheck{ReceiptID: c.ID, Check: rec}
+		outs[i] = reconcile.Outcome{ID: c.ID, Lease: c.Lease, To: statemachine.Reconciling, NextCheck: now.Add(time.Minute), Check: rec}
+	}
+	if err := store.RecordChecks(ctx, checks); err != nil {
+		t.Fatal(err)
+	}
+	// The commit went through but its answer was lost: the pool repeats it.
+	if err := store.RecordChecksAgain(ctx, checks); err != nil {
+		t.Fatal(err)
+	}
+	for _, c := range checks {
+		if !c.Check.Recorded {
+			t.Fatalf("receipt %d: check not marked recorded", c.ReceiptID)
+		}
+	}
+	if applied, err := store.Complete(ctx, outs); err != nil || len(applied) != 2 {
+		t.Fatalf("complete: %v, %v", applied, err)
+	}
+	for _, id := range ids {
+		if n := checkCount(t, db, id); n != 1 {
+			t.Fatalf("receipt %d: %d check rows, want 1", id, n)
+		}
+		var counted int
+		if err := db.QueryRow(ctx, `SELECT check_count FROM reconciler.receipts WHERE id = $1`, id).Scan(&counted); err != nil {
+			t.Fatal(err)
+		}
+		if counted != 1 {
+			t.Fatalf("receipt %d: check_count %d, want the recorded check counted once", id, counted)
+		}
+	}
+}
+
 // Issue 7, suspicion "the sweep has no statement timeout, so a hung
 // connection stops all claiming": confirmed (a lock held on the receipts
 // table kept the sweep, and the claim loop behind it, waiting for as long as

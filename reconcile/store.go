@@ -34,6 +34,8 @@ type Store struct {
 	instance string
 	nonce    string
 	seq      atomic.Uint64
+	// claimDetail is the history detail of every claim (the same each time).
+	claimDetail []byte
 }
 
 // NewStore returns a store writing as "reconciler:<instance>".
@@ -44,7 +46,11 @@ func NewStore(pool *pgxpool.Pool, instance string) (*Store, error) {
 	}
 	b := make([]byte, 4)
 	_, _ = rand.Read(b)
-	return &Store{pool: pool, actor: actor, instance: instance, nonce: hex.EncodeToString(b)}, nil
+	detail, err := json.Marshal(map[string]any{"reason": "claimed", "extra": map[string]any{"instance": instance}})
+	if err != nil {
+		return nil, fmt.Errorf("reconcile: instance %q: claim detail: %w", instance, err)
+	}
+	return &Store{pool: pool, actor: actor, instance: instance, nonce: hex.EncodeToString(b), claimDetail: detail}, nil
 }
 
 // Actor returns the actor the store writes as.
@@ -84,8 +90,7 @@ func (s *Store) ClaimAt(ctx context.Context, dueBy, now time.Time, limit int, le
 	}
 	token := s.instance + "/" + s.nonce + "/" + strconv.FormatUint(s.seq.Add(1), 10)
 	expires := now.Add(lease)
-	detail, _ := json.Marshal(map[string]any{"reason": "claimed", "extra": map[string]any{"instance": s.instance}})
-	rows, err := s.pool.Query(ctx, sqlClaim, pgx.QueryExecModeCacheDescribe, dueBy, limit, string(s.actor), detail, token, expires)
+	rows, err := s.pool.Query(ctx, sqlClaim, pgx.QueryExecModeCacheDescribe, dueBy, limit, string(s.actor), s.claimDetail, token, expires)
 	if err != nil {
 		return nil, fmt.Errorf("reconcile: claim: %w", err)
 	}
@@ -224,6 +229,18 @@ type CheckRecord struct {
 	Recorded bool
 }
 
+// minimal returns c without the API's text (evidence, error message), for
+// a check the database refused for its data (why): only the reconciler's
+// own fields, and for an error the refusal.
+func (c *CheckRecord) minimal(why string) CheckRecord {
+	r := *c
+	r.Error, r.Evidence = "", json.RawMessage(`{"sanitized":true}`)
+	if r.Verdict == "error" {
+		r.Error = "the check's error could not be stored: " + why
+	}
+	return r
+}
+
 // ReceiptCheck is a check of one receipt, for RecordChecks.
 type ReceiptCheck struct {
 	ReceiptID int64
@@ -284,12 +301,7 @@ func (s *Store) recordSplit(ctx context.Context, checks []ReceiptCheck, retry bo
 		return ok, err
 	}
 	if len(checks) == 1 {
-		why := refusal(err)
-		r := *checks[0].Check
-		r.Error, r.Evidence = "", json.RawMessage(`{"sanitized":true}`)
-		if r.Verdict == "error" {
-			r.Error = "the check's error could not be stored: " + why
-		}
+		r := checks[0].Check.minimal(refusal(err))
 		err := s.insertChecks(ctx, []ReceiptCheck{{ReceiptID: checks[0].ReceiptID, Check: &r}}, retry)
 		if err != nil && dataError(err) {
 			return ok, nil
@@ -451,11 +463,7 @@ func (s *Store) writeRefused(ctx context.Context, o Outcome, cause error, retry 
 		}
 	}
 	if c := o.Check; c != nil && !c.Recorded {
-		r := *c
-		r.Error, r.Evidence = "", json.RawMessage(`{"sanitized":true}`)
-		if r.Verdict == "error" {
-			r.Error = "the check's error could not be stored: " + why
-		}
+		r := c.minimal(why)
 		minimal.Check = &r
 	}
 	applied, err := s.write(ctx, []Outcome{minimal}, retry)

@@ -425,9 +425,11 @@ func (g *Guard) Acquire(ctx context.Context, dep string, kind Kind) (*Permit, er
 // putting the work back for a whole delay and an extra round trip. Every
 // other refusal returns at once, like Acquire's.
 func (g *Guard) AcquireWait(ctx context.Context, dep string, kind Kind) (*Permit, error) {
-	var until time.Time
+	var (
+		until time.Time
+		freed <-chan struct{}
+	)
 	for {
-		freed := g.freed(dep)
 		p, err := g.Acquire(ctx, dep, kind)
 		var d *Deferral
 		if !errors.As(err, &d) || (d.Reason != ReasonConcurrency && d.Reason != ReasonDegraded) {
@@ -440,10 +442,19 @@ func (g *Guard) AcquireWait(ctx context.Context, dep string, kind Kind) (*Permit
 		if wait <= 0 {
 			return nil, d
 		}
+		if freed == nil {
+			// Watch for the next permit done, then try again before
+			// waiting: one done in between closes the channel, so it is
+			// not missed. A call admitted at once (the common case) takes
+			// no channel and no second lock.
+			freed = g.freed(dep)
+			continue
+		}
 		t := time.NewTimer(wait)
 		select {
 		case <-freed:
 			t.Stop()
+			freed = nil
 		case <-t.C:
 			return nil, d
 		case <-ctx.Done():
