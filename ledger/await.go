@@ -13,9 +13,22 @@ import (
 	"github.com/receiptledger/reconciler/statemachine"
 )
 
-// settledChannel is the channel migration 00009's trigger notifies, with
-// the receipt's id as payload, on every move into a state Await returns on.
+// settledChannel is the channel the history trigger notifies (migration
+// 00011), with the receipt's id as payload, on every settlement of an
+// unknown outcome: a move out of outcome_unknown, reconciling or
+// manual_review into a state Await returns on.
 const settledChannel = "reconciler_settled"
+
+// In flight (planned, submitted), a receipt is moved on by the agent making
+// the call, and those moves send no notification: they are on every call's
+// hot path, and the agent that makes them has its answer already. Await
+// re-reads such a receipt on a timer, from inFlightFirstPoll doubling to
+// inFlightMaxPoll; it stays in flight for at most its send deadline plus
+// the call, or until the orphan sweep moves it to outcome_unknown.
+const (
+	inFlightFirstPoll = 10 * time.Millisecond
+	inFlightMaxPoll   = time.Second
+)
 
 // Awaiting reports whether Await keeps waiting on a receipt in state s:
 // planned, submitted, outcome_unknown and reconciling, the states whose
@@ -32,11 +45,13 @@ func Awaiting(s statemachine.State) bool {
 
 // Await returns the receipt with id once it is no longer Awaiting: settled
 // (succeeded, safe_to_retry, rejected) or held for a human (manual_review).
-// It is woken by the database's NOTIFY on settlement, not by polling: every
-// client made from one New (As, WithSecretKey) shares one dedicated
-// connection that LISTENs while at least one Await is waiting, and closes
-// it when none is. A receipt already settled is returned at once, without
-// that connection.
+// A settlement by the reconciler or a reviewer wakes it through the
+// database's NOTIFY, not by polling: every client made from one New (As,
+// WithSecretKey) shares one dedicated connection that LISTENs while at
+// least one Await is waiting, and closes it when none is. A receipt still
+// in flight (planned or submitted, moved on by its agent without a
+// notification) is re-read every 10 ms, doubling to 1 s, until it is not.
+// A receipt already settled is returned at once, without that connection.
 //
 // When ctx ends first, Await returns the receipt as last read and an error
 // that matches ctx.Err() (and carries the listener's last error, if its
@@ -49,8 +64,18 @@ func (c *Client) Await(ctx context.Context, id int64) (*Receipt, error) {
 	wake, ready, listenErr, done := c.settled.register(id)
 	defer done()
 	waitFor := ready
+	poll := time.NewTimer(inFlightFirstPoll)
+	defer poll.Stop()
+	pause := inFlightFirstPoll
 	for {
+		if inFlight(r.State) {
+			poll.Reset(pause)
+			pause = min(2*pause, inFlightMaxPoll)
+		} else {
+			poll.Stop()
+		}
 		select {
+		case <-poll.C:
 		case <-ctx.Done():
 			if lerr := listenErr(); lerr != nil {
 				return r, fmt.Errorf("ledger: await receipt %d: still %s: %w (listener: %w)", id, r.State, ctx.Err(), lerr)
@@ -74,6 +99,12 @@ func (c *Client) Await(ctx context.Context, id int64) (*Receipt, error) {
 			return r, nil
 		}
 	}
+}
+
+// inFlight reports whether a receipt in state s is still moved on by the
+// agent making its call, without a notification.
+func inFlight(s statemachine.State) bool {
+	return s == statemachine.Planned || s == statemachine.Submitted
 }
 
 // settlements fans the notifications of one dedicated LISTEN connection out

@@ -68,6 +68,10 @@ type Client struct {
 	secretKey fingerprint.Option
 	// settled wakes Await; shared by every client made from one New.
 	settled *settlements
+	// durableOutcomes makes the outcome of a call (a move out of
+	// submitted) wait for its WAL flush like every other move
+	// (WithDurableOutcomes).
+	durableOutcomes bool
 }
 
 // New returns a client that writes as actor ("agent:<id>").
@@ -82,7 +86,32 @@ func New(pool *pgxpool.Pool, actor string) (*Client, error) {
 // As returns a client on the same pool that writes as actor. The reconciler
 // and review tools use it; the actor is checked on every move.
 func (c *Client) As(actor statemachine.Actor) *Client {
-	return &Client{pool: c.pool, actor: actor, secretKey: c.secretKey, settled: c.settled}
+	d := *c
+	d.actor = actor
+	return &d
+}
+
+// WithDurableOutcomes returns a client on the same pool, actor and key whose
+// outcomes (Succeed, Reject and MarkUnknown of a submitted receipt) wait
+// for the WAL flush before they return, as every other move does.
+//
+// By default they do not (synchronous_commit off for the move's own
+// transaction). The record that must be durable before the request's
+// bytes leave is submitted, and it always is. An outcome is visible to
+// everyone once it returns and survives the death of the agent's process;
+// only a crash of the database server within about 600 ms (three
+// wal_writer_delay) can lose it, and then the receipt is back in
+// submitted: the orphan sweep moves it to outcome_unknown, and the
+// reconciler reads the effect back, as for any call whose answer was
+// lost. A later synchronous commit (any submission, any settlement)
+// flushes it too, since the WAL is written in order: nothing that saw the
+// outcome and then committed durably can outlive it. Use this client when
+// a dependency has no readback adapter, where a lost outcome would wait
+// for a human instead.
+func (c *Client) WithDurableOutcomes() *Client {
+	d := *c
+	d.durableOutcomes = true
+	return &d
 }
 
 // Pool returns the pool the client writes through.
@@ -280,6 +309,31 @@ const receiptColumns = `id, idempotency_key, operation, dependency, method, targ
 	created_at, coalesce(submitted_at, 'epoch'::timestamptz), updated_at, version,
 	state = 'rejected' AND (state_detail #>> '{error,retryable}') IS NOT DISTINCT FROM 'true',
 	max_send_delay, coalesce(submitted_at + max_send_delay, 'epoch'::timestamptz)`
+
+// sqlMove is the move reconciler.transition makes, without the function
+// layer: this runs on every call an agent makes. The triggers enforce the
+// state machine and write history either way.
+//
+// The expected state is compared under the "C" collation, which means the
+// same (equal strings are equal bytes under every deterministic collation)
+// but matches no index or index predicate: planned for its values, the
+// statement would otherwise read receipts_stale, whose predicate a known
+// state proves, scanning every receipt in flight and the dead entries of
+// those that moved on, instead of one primary-key probe.
+//
+// sqlMoveOutcome records the outcome of a call (a move out of submitted)
+// without waiting for its WAL flush: see WithDurableOutcomes.
+const (
+	sqlMove = `UPDATE reconciler.receipts
+		SET state = $2, state_actor = $3, state_detail = $4, external_id = coalesce($5, external_id)
+		WHERE id = $1 AND state = $6 COLLATE "C"
+		RETURNING ` + receiptColumns
+	sqlMoveOutcome = `UPDATE reconciler.receipts
+		SET state = $2, state_actor = $3, state_detail = $4, external_id = coalesce($5, external_id)
+		FROM (SELECT set_config('synchronous_commit', 'off', true)) AS async
+		WHERE id = $1 AND state = $6 COLLATE "C"
+		RETURNING ` + receiptColumns
+)
 
 func scanReceipt(row pgx.Row) (*Receipt, error) {
 	var r Receipt
@@ -554,14 +608,11 @@ func (c *Client) Transition(ctx context.Context, m Move) (*Receipt, error) {
 	if m.ExternalID != "" {
 		ext = &m.ExternalID
 	}
-	// The same move reconciler.transition makes, without the function
-	// layer: this runs on every call an agent makes. The triggers enforce
-	// the state machine and write history either way.
-	row := c.pool.QueryRow(ctx, `UPDATE reconciler.receipts
-		SET state = $2, state_actor = $3, state_detail = $4, external_id = coalesce($5, external_id)
-		WHERE id = $1 AND state = $6
-		RETURNING `+receiptColumns,
-		m.ID, string(m.To), string(m.Actor), detail, ext, string(m.From))
+	sql := sqlMove
+	if m.From == statemachine.Submitted && !c.durableOutcomes {
+		sql = sqlMoveOutcome
+	}
+	row := c.pool.QueryRow(ctx, sql, m.ID, string(m.To), string(m.Actor), detail, ext, string(m.From))
 	r, err := scanReceipt(row)
 	if err == nil {
 		return r, nil
@@ -612,6 +663,8 @@ func (c *Client) Submit(ctx context.Context, r *Receipt) (*Receipt, error) {
 }
 
 // Succeed records a verified effect with the external id from the response.
+// Succeed, Reject and MarkUnknown of a submitted receipt return without
+// waiting for the WAL flush, unless the client is WithDurableOutcomes.
 func (c *Client) Succeed(ctx context.Context, r *Receipt, externalID string, d Detail) (*Receipt, error) {
 	return c.Transition(ctx, Move{ID: r.ID, From: r.State, To: statemachine.Succeeded, ExternalID: externalID, Detail: d})
 }
@@ -770,7 +823,9 @@ func (c *Client) WithSecretKey(keyID string, key []byte) (*Client, error) {
 	if _, err := fingerprint.Compute("GET", "/", []byte(`{}`), opt); err != nil {
 		return nil, fmt.Errorf("ledger: %w", err)
 	}
-	return &Client{pool: c.pool, actor: c.actor, secretKey: opt, settled: c.settled}, nil
+	d := *c
+	d.secretKey = opt
+	return &d, nil
 }
 
 // SecretKeyFromEnv returns c with the deployment's secret key
