@@ -105,8 +105,12 @@ func benchLedger(c *cli.Context) error {
 		}
 		b, l, d := stats[0], stats[1], stats[2]
 		rate := func(s []benchlife.Stats) float64 { return median(s, func(x benchlife.Stats) float64 { return x.Rate }) }
-		p50 := func(s []benchlife.Stats) float64 { return median(s, func(x benchlife.Stats) float64 { return ms(x.P50) }) }
-		p99 := func(s []benchlife.Stats) float64 { return median(s, func(x benchlife.Stats) float64 { return ms(x.P99) }) }
+		p50 := func(s []benchlife.Stats) float64 {
+			return median(s, func(x benchlife.Stats) float64 { return ms(x.P50) })
+		}
+		p99 := func(s []benchlife.Stats) float64 {
+			return median(s, func(x benchlife.Stats) float64 { return ms(x.P99) })
+		}
 		ratio := func(s []benchlife.Stats) float64 {
 			r := make([]float64, rounds)
 			for i := range r {
