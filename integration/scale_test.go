@@ -14,6 +14,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/receiptledger/reconciler/internal/pgtest"
+	"github.com/receiptledger/reconciler/ledger"
 	"github.com/receiptledger/reconciler/reconcile"
 	"github.com/receiptledger/reconciler/review"
 )
@@ -280,5 +281,60 @@ func BenchmarkClaimAtAMillionReceipts(b *testing.B) {
 			b.ReportMetric(q(0.50), "p50_ms")
 			b.ReportMetric(q(0.99), "p99_ms")
 		})
+	}
+}
+
+// An agent's move (ledger.Client.Transition: Succeed here) probes the
+// primary key, planned for its own values as pgx runs it: with a few
+// receipts in flight and many settled, "state = 'submitted'" would prove
+// receipts_stale's predicate, and the planner, costing that partial index
+// by its few live rows, chose it, scanning every receipt in flight and the
+// dead entries of those that had moved on, on every call (migration 00011,
+// the "C" collation of the expected state).
+func TestAgentMoveProbesThePrimaryKey(t *testing.T) {
+	ctx := context.Background()
+	url := pgtest.NewDatabase(t)
+	rec := &recorder{}
+	db := tracedPool(t, url, rec)
+	conn, err := db.Acquire(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, q := range []string{
+		`SET session_replication_role = replica`,
+		`INSERT INTO reconciler.receipts (idempotency_key, operation, dependency, method, target, fingerprint,
+		                                  state, state_actor, submitted_at, guarded, version)
+		 SELECT 'settled:' || g, 'things.create', 'dep', 'POST', '/things', 'sha256:' || md5(g::text),
+		        'succeeded', 'agent:fill', now(), false, 3
+		 FROM generate_series(1, 20000) g`,
+		`RESET session_replication_role`,
+		`ANALYZE reconciler.receipts`,
+	} {
+		if _, err := conn.Exec(ctx, q); err != nil {
+			t.Fatalf("fill: %v", err)
+		}
+	}
+	conn.Release()
+
+	c, err := ledger.New(db, "agent:plans")
+	if err != nil {
+		t.Fatal(err)
+	}
+	r, err := c.PlanAndSubmit(ctx, ledger.Intent{IdempotencyKey: "plans:1", Operation: "things.create",
+		Dependency: "dep", Method: "POST", Target: "/things", Payload: []byte(`{"n":1}`)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := c.Succeed(ctx, r, "thing-1", ledger.Detail{}); err != nil {
+		t.Fatal(err)
+	}
+	var scans []string
+	explain(t, db, rec.find(t, "SET state = $2")).walk(func(n planNode) {
+		if n.Relation == "receipts" && n.NodeType != "ModifyTable" {
+			scans = append(scans, strings.TrimSpace(n.NodeType+" "+n.IndexName))
+		}
+	})
+	if !slices.Equal(scans, []string{"Index Scan receipts_pkey"}) {
+		t.Fatalf("the agent's move reads receipts by %v, want one probe of receipts_pkey", scans)
 	}
 }
