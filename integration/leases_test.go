@@ -18,13 +18,7 @@ import (
 // waitUntil polls cond (a database condition) until it holds or 30 s pass.
 func waitUntil(t *testing.T, what string, cond func() bool) {
 	t.Helper()
-	deadline := time.Now().Add(30 * time.Second)
-	for !cond() {
-		if time.Now().After(deadline) {
-			t.Fatalf("timed out waiting for %s", what)
-		}
-		time.Sleep(10 * time.Millisecond)
-	}
+	waitFor(t, 30*time.Second, what, func() (bool, string) { return cond(), "" })
 }
 
 func leaseExpiry(t *testing.T, db *pgxpool.Pool, id int64) time.Time {
