@@ -37,13 +37,14 @@ func parseBenchLines(t *testing.T, out string, want map[string]bool) []map[strin
 }
 
 func TestBenchLedger(t *testing.T) {
-	code, out, errOut := runCLI(t, "", "bench", "ledger", "-n", "200", "--concurrency", "1,4",
+	code, out, errOut := runCLI(t, "", "bench", "ledger", "-n", "200", "--concurrency", "1,4", "--rounds", "1",
 		"--database-url", pgtest.AdminURL(t))
 	if code != 0 {
 		t.Fatalf("exit %d: %s", code, errOut)
 	}
 	lines := parseBenchLines(t, out, map[string]bool{"bench": false, "concurrency": true, "n": true,
-		"lifecycles_per_s": true, "bare_sql_per_s": true, "ratio": true, "p50_added_ms": true, "p99_added_ms": true})
+		"rounds": true, "lifecycles_per_s": true, "bare_sql_per_s": true, "ratio": true, "p50_added_ms": true,
+		"p99_added_ms": true, "durable_per_s": true, "durable_ratio": true, "durable_p99_added_ms": true})
 	if len(lines) != 2 || lines[0]["concurrency"] != "1" || lines[1]["concurrency"] != "4" {
 		t.Fatalf("want one line per concurrency (1, 4), got:\n%s", out)
 	}
@@ -95,6 +96,7 @@ func TestBenchUsage(t *testing.T) {
 	for _, args := range [][]string{
 		{"bench", "ledger", "--concurrency", "1,x"},
 		{"bench", "ledger", "-n", "0"},
+		{"bench", "ledger", "--rounds", "0"},
 		{"bench", "consistency", "--lags", "-1s"},
 		{"bench", "consistency", "--schedules", "nonsense"},
 		{"bench", "consistency", "--scale", "0"},
