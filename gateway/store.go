@@ -16,9 +16,20 @@ import (
 // (reconciler.webhook_receipts and webhook_deliveries, migration 00010).
 // Every time is the database's.
 const (
+	// sqlRecord commits without waiting for its WAL flush
+	// (synchronous_commit off for its own transaction), as the ledger
+	// records the outcome it follows (ledger.Client.WithDurableOutcomes
+	// says why that is sound). A kept response is a cache of the answer
+	// for replays: a crash of the database server that loses it leaves a
+	// settled receipt without one, which a replay answers from the receipt
+	// (as for one settled by a readback), or loses the outcome before it
+	// too (the WAL is written in order), and the reconciler settles the
+	// receipt again.
 	sqlRecord = `INSERT INTO reconciler.gateway_responses
 		(receipt_id, agent, status, headers, body, body_bytes, expires_at)
-		VALUES ($1, $2, $3, $4, $5, $6, clock_timestamp() + $7::interval)
+		SELECT $1::bigint, $2::text, $3::integer, $4::jsonb, $5::bytea, $6::bigint,
+		       clock_timestamp() + $7::interval
+		FROM (SELECT set_config('synchronous_commit', 'off', true)) AS async
 		ON CONFLICT (receipt_id) DO NOTHING`
 	sqlLookup = `SELECT agent, status, headers, body, body_bytes FROM reconciler.gateway_responses
 		WHERE receipt_id = $1 AND expires_at > clock_timestamp()`
