@@ -1,8 +1,8 @@
 // Package benchgw measures what the receipt gateway adds to a call: the
 // same POSTs against a local upstream sent directly, through the Go ledger
 // client (Caller.Do, which writes the same receipts in process) and through
-// the gateway over HTTP, in one run and taking turns, so that `reconciler bench gateway` and
-// the gateway package's BenchmarkGateway share one definition.
+// the gateway over HTTP, taking turns in one run, so that `reconciler bench
+// gateway` and the gateway package's BenchmarkGateway share one definition.
 package benchgw
 
 import (
