@@ -328,10 +328,15 @@ func (g *Gateway) proxy(w http.ResponseWriter, r *http.Request) {
 	ctx, cancel := context.WithTimeout(c.trace(context.WithoutCancel(r.Context())), route.Timeout+time.Minute)
 	defer cancel()
 	res, err := caller.Do(ctx, in, up.WithContext(ctx))
-	if route.Webhook != nil && res != nil && res.Receipt != nil {
+	kept := g.keep(c, res, err)
+	switch {
+	case route.Webhook != nil && res != nil && res.Receipt != nil:
 		// A replay registers again: harmless, and it repairs a
-		// registration lost to a crash right after the call.
-		g.register(ctx, route, res.Receipt.ID)
+		// registration lost to a crash right after the call. The kept
+		// response rides in the same statement.
+		g.register(ctx, route, res.Receipt.ID, kept)
+	case kept != nil:
+		g.record(ctx, c, res.Receipt.ID, kept)
 	}
 	g.answer(w, r, c, res, err)
 	g.metrics.addedLatency(route.Name, c.added())
@@ -466,7 +471,6 @@ func (g *Gateway) answer(w http.ResponseWriter, r *http.Request, c *call, res *l
 	var oe *ledger.OutcomeError
 	switch {
 	case err == nil:
-		g.record(r.Context(), c, res)
 		g.metrics.request(name, outcomeSucceeded)
 		setReceipt(w.Header(), res.Receipt)
 		writeUpstream(w, res.Response.StatusCode, res.Response.Header, res.Body)
@@ -512,7 +516,6 @@ func (g *Gateway) settledOtherwise(w http.ResponseWriter, r *http.Request, c *ca
 	switch {
 	case rc.State == statemachine.Rejected && res != nil && res.Response != nil:
 		// A deterministic refusal (4xx) or a 429: the upstream's answer.
-		g.record(r.Context(), c, res)
 		g.metrics.request(name, outcomeRejected)
 		setReceipt(w.Header(), rc)
 		writeUpstream(w, res.Response.StatusCode, res.Response.Header, res.Body)
@@ -584,14 +587,21 @@ func (g *Gateway) replay(w http.ResponseWriter, r *http.Request, c *call, rc *le
 	}
 }
 
-// record keeps a settled call's response for replays: the status, the
-// headers the file names and the body when within the replay bound, both
-// with every form of the route's credential removed.
-func (g *Gateway) record(ctx context.Context, c *call, res *ledger.Result) {
-	if res == nil || res.Response == nil || res.Receipt == nil {
-		return
+// keep returns what a fresh call's response leaves for replays, nil
+// when there is nothing to keep: a call replayed, not settled, or settled
+// without an answer from the upstream. A call settled succeeded or
+// rejected with the upstream's answer keeps its status, the headers the
+// file names and the body when within the replay bound, both with every
+// form of the route's credential removed.
+func (g *Gateway) keep(c *call, res *ledger.Result, err error) *storedResponse {
+	if res == nil || res.Replayed || res.Response == nil || res.Receipt == nil {
+		return nil
 	}
-	kept := storedResponse{Agent: c.agent, Status: res.Response.StatusCode, Headers: http.Header{}, BodyBytes: int64(len(res.Body))}
+	var oe *ledger.OutcomeError
+	if err != nil && !(errors.As(err, &oe) && oe.Receipt != nil && oe.Receipt.State == statemachine.Rejected) {
+		return nil
+	}
+	kept := &storedResponse{Agent: c.agent, Status: res.Response.StatusCode, Headers: http.Header{}, BodyBytes: int64(len(res.Body))}
 	for _, h := range g.cfg.ReplayHeaders {
 		for _, v := range res.Response.Header.Values(h) {
 			// An API may echo the credential in a kept header too
@@ -608,8 +618,14 @@ func (g *Gateway) record(ctx context.Context, c *call, res *ledger.Result) {
 			kept.Body = []byte{}
 		}
 	}
-	if err := g.store.record(context.WithoutCancel(ctx), res.Receipt.ID, kept, g.cfg.Retention); err != nil {
-		g.log.Warn("keeping the response for replays failed", "route", c.route.Name, "receipt_id", res.Receipt.ID, "error", err)
+	return kept
+}
+
+// record keeps a settled call's response for replays (a route without a
+// webhook: register keeps it otherwise).
+func (g *Gateway) record(ctx context.Context, c *call, id int64, kept *storedResponse) {
+	if err := g.store.record(context.WithoutCancel(ctx), id, *kept, g.cfg.Retention); err != nil {
+		g.log.Warn("keeping the response for replays failed", "route", c.route.Name, "receipt_id", id, "error", err)
 	}
 }
 

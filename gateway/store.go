@@ -16,9 +16,21 @@ import (
 // (reconciler.webhook_receipts and webhook_deliveries, migration 00010).
 // Every time is the database's.
 const (
+	// sqlRecord commits without waiting for its WAL flush
+	// (synchronous_commit off for its own transaction), as the ledger
+	// records the outcome it follows (ledger.Client.WithDurableOutcomes
+	// says why that is sound). A kept response is a cache of the answer
+	// for replays: a crash of the database server that loses it leaves a
+	// settled receipt without one, which a replay answers from the receipt
+	// (as for one settled by a readback), or loses the outcome before it
+	// too (the WAL is written in order), and the reconciler settles the
+	// receipt again. A route with a webhook keeps it with the registration
+	// instead (sqlRegisterWebhook), which must be durable.
 	sqlRecord = `INSERT INTO reconciler.gateway_responses
 		(receipt_id, agent, status, headers, body, body_bytes, expires_at)
-		VALUES ($1, $2, $3, $4, $5, $6, clock_timestamp() + $7::interval)
+		SELECT $1::bigint, $2::text, $3::integer, $4::jsonb, $5::bytea, $6::bigint,
+		       clock_timestamp() + $7::interval
+		FROM (SELECT set_config('synchronous_commit', 'off', true)) AS async
 		ON CONFLICT (receipt_id) DO NOTHING`
 	sqlLookup = `SELECT agent, status, headers, body, body_bytes FROM reconciler.gateway_responses
 		WHERE receipt_id = $1 AND expires_at > clock_timestamp()`
@@ -27,15 +39,23 @@ const (
 		WHERE expires_at <= clock_timestamp() ORDER BY expires_at LIMIT $1)`
 
 	// sqlRegisterWebhook records that a receipt was made through a route
-	// with a webhook and, when it has settled already, queues its event.
-	// FOR SHARE orders it with a settlement in flight: that one either
-	// committed before (the row is read as settled here) or waits for this
-	// statement to commit (and its trigger then sees the registration).
+	// with a webhook and, when it has settled already, queues its event;
+	// with a status ($4 not NULL) it also keeps the call's response as
+	// sqlRecord does, in the same (durable) commit. FOR SHARE orders it
+	// with a settlement in flight: that one either committed before (the
+	// row is read as settled here) or waits for this statement to commit
+	// (and its trigger then sees the registration).
 	sqlRegisterWebhook = `WITH r AS (
 			SELECT id, state FROM reconciler.receipts WHERE id = $1 FOR SHARE),
 		reg AS (
 			INSERT INTO reconciler.webhook_receipts (receipt_id, route)
-			SELECT id, $2 FROM r ON CONFLICT DO NOTHING RETURNING receipt_id, route)
+			SELECT id, $2 FROM r ON CONFLICT DO NOTHING RETURNING receipt_id, route),
+		kept AS (
+			INSERT INTO reconciler.gateway_responses
+				(receipt_id, agent, status, headers, body, body_bytes, expires_at)
+			SELECT id, $3::text, $4::integer, $5::jsonb, $6::bytea, $7::bigint, clock_timestamp() + $8::interval
+			FROM r WHERE $4::integer IS NOT NULL
+			ON CONFLICT (receipt_id) DO NOTHING)
 		INSERT INTO reconciler.webhook_deliveries (receipt_id, state, route)
 		SELECT r.id, r.state, reg.route FROM r JOIN reg ON reg.receipt_id = r.id
 		WHERE r.state IN ('succeeded', 'safe_to_retry', 'rejected', 'manual_review')
@@ -138,9 +158,21 @@ type claimedDelivery struct {
 }
 
 // registerWebhook records that receipt id was made through route, and
-// reports whether an event was queued at once (the receipt had settled).
-func (s store) registerWebhook(ctx context.Context, id int64, route string) (bool, error) {
-	tag, err := s.db.Exec(ctx, sqlRegisterWebhook, id, route)
+// keeps its response for retention when kept is not nil; it reports
+// whether an event was queued at once (the receipt had settled).
+func (s store) registerWebhook(ctx context.Context, id int64, route string, kept *storedResponse, retention time.Duration) (bool, error) {
+	var agent *string
+	var status *int
+	var headers http.Header
+	var body []byte
+	var bodyBytes int64
+	if kept != nil {
+		agent, status, headers, body, bodyBytes = &kept.Agent, &kept.Status, kept.Headers, kept.Body, kept.BodyBytes
+		if headers == nil {
+			headers = http.Header{}
+		}
+	}
+	tag, err := s.db.Exec(ctx, sqlRegisterWebhook, id, route, agent, status, headers, body, bodyBytes, retention)
 	if err != nil {
 		return false, fmt.Errorf("gateway: register the webhook of receipt %d: %w", id, err)
 	}

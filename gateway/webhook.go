@@ -182,11 +182,13 @@ func (w *webhooks) backoff(n int) time.Duration {
 }
 
 // register records a receipt made through a route with a webhook, so its
-// settlement is delivered; it runs after the call, whatever its outcome.
-func (g *Gateway) register(ctx context.Context, route *Route, id int64) {
-	queued, err := g.store.registerWebhook(context.WithoutCancel(ctx), id, route.Name)
+// settlement is delivered, and keeps the call's response for replays when
+// kept is not nil, in one statement; it runs after the call, whatever its
+// outcome.
+func (g *Gateway) register(ctx context.Context, route *Route, id int64, kept *storedResponse) {
+	queued, err := g.store.registerWebhook(context.WithoutCancel(ctx), id, route.Name, kept, g.cfg.Retention)
 	if err != nil {
-		g.log.Error("registering a receipt's webhook failed: its settlement will not be delivered",
+		g.log.Error("registering a receipt's webhook failed: its settlement will not be delivered, nor its response replayed",
 			"route", route.Name, "receipt_id", id, "error", err)
 		return
 	}

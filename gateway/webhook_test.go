@@ -206,6 +206,41 @@ func TestWebhookDeliveredOnSettlement(t *testing.T) {
 	}
 }
 
+// On a route with a webhook the response is kept in the registration's
+// statement: a succeeded and a rejected call are each replayed with the
+// upstream's answer, and each settlement is delivered once.
+func TestWebhookRouteReplaysTheKeptResponse(t *testing.T) {
+	db := pgtest.NewPool(t)
+	fake := newFakeUpstream()
+	up := httptest.NewServer(fake)
+	t.Cleanup(up.Close)
+	rc, hooks := newReceiver(t)
+	gw, reg := hookGateway(t, db, up.URL, hooks.URL, true)
+	e := &env{db: db, gw: gw, metrics: reg}
+	for _, c := range []struct{ path, key, state string }{
+		{"/blog/articles", "k-kept-ok", "succeeded"},
+		{"/blog/invalid", "k-kept-rej", "rejected"},
+	} {
+		first := e.post(t, c.path, c.key, `{"title":"kept"}`)
+		again := e.post(t, c.path, c.key, `{"title":"kept"}`)
+		if first.header.Get(gateway.HeaderReceiptState) != c.state || again.status != first.status ||
+			string(again.body) != string(first.body) || again.header.Get(gateway.HeaderReplayed) != "true" ||
+			again.header.Get("Location") != first.header.Get("Location") ||
+			again.header.Get(gateway.HeaderReceiptID) != first.header.Get(gateway.HeaderReceiptID) {
+			t.Fatalf("%s: first %d %v %s; again %d %v %s", c.key, first.status, first.header, first.body,
+				again.status, again.header, again.body)
+		}
+		if n := fake.count("/api" + strings.TrimPrefix(c.path, "/blog")); n != 1 {
+			t.Fatalf("%s: the upstream got %d requests, want 1", c.key, n)
+		}
+		ev := rc.next(t)
+		id, _ := strconv.ParseInt(first.header.Get(gateway.HeaderReceiptID), 10, 64)
+		if ev.ReceiptID != id || ev.State != c.state {
+			t.Fatalf("%s: event %+v, want receipt %d %s", c.key, ev, id, c.state)
+		}
+	}
+}
+
 // A receiver failing twice (500) then answering 200 gets the event on the
 // third attempt, recorded with attempts = 3; the failures are counted.
 func TestWebhookRetriedUntilDelivered(t *testing.T) {

@@ -17,7 +17,8 @@ func benchGatewayCommand() *cli.Command {
 		Description: "For each concurrency, sends -n POSTs (each with a key of its own, so each is " +
 			"planned, submitted, sent and settled) to a local upstream answering 201: directly, through " +
 			"ledger.Caller.Do, and through a gateway in front of it, in one scratch database, after a " +
-			"warm-up. Prints one line per concurrency.",
+			"warm-up. The three paths take turns in rounds (about n/20 calls each, in a rotating order), " +
+			"so a change in the machine's load falls on all three alike. Prints one line per concurrency.",
 		Flags: []cli.Flag{
 			benchServerFlag(),
 			&cli.StringFlag{Name: "concurrency", Value: "1,8", Usage: "concurrent agents, comma-separated"},

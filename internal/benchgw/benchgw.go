@@ -1,8 +1,8 @@
 // Package benchgw measures what the receipt gateway adds to a call: the
 // same POSTs against a local upstream sent directly, through the Go ledger
 // client (Caller.Do, which writes the same receipts in process) and through
-// the gateway over HTTP, in one run, so that `reconciler bench gateway` and
-// the gateway package's BenchmarkGateway share one definition.
+// the gateway over HTTP, taking turns in one run, so that `reconciler bench
+// gateway` and the gateway package's BenchmarkGateway share one definition.
 package benchgw
 
 import (
@@ -154,21 +154,49 @@ func (b *Bench) Warm(ctx context.Context, n int) error {
 	return nil
 }
 
-// Run makes n calls on each path with agents calling at once, one path
-// after the other.
+// rounds is how many turns each path takes in a Run. The machine's load
+// drifts over seconds (other processes, the server's checkpoints): paths
+// measured one after the other would each see a different load, and the
+// difference of their percentiles would measure the drift. Taking turns in
+// small rounds, in a rotating order, spreads whatever load there is over
+// the three paths alike.
+const rounds = 20
+
+// Run makes n calls on each path with agents calling at once. The paths
+// take turns, in rounds of about n/20 calls each (never fewer than 5 per
+// agent, so the agents overlap), in a rotating order; each path's
+// latencies are pooled over its rounds and its rate is its calls over the
+// time its rounds took.
 func (b *Bench) Run(ctx context.Context, agents, n int) (Result, error) {
-	var res Result
-	for _, via := range []Path{Direct, Do, Gateway} {
-		st, err := b.measure(ctx, via, agents, n)
-		if err != nil {
-			return res, err
+	per := max((n+rounds-1)/rounds, 5*agents)
+	lat := [3][]time.Duration{}
+	var took [3]time.Duration
+	paths := []Path{Direct, Do, Gateway}
+	for round := 0; len(lat[Gateway]) < n; round++ {
+		for i := range paths {
+			via := paths[(round+i)%len(paths)]
+			k := min(per, n-len(lat[via]))
+			l, d, err := b.measure(ctx, via, agents, k)
+			if err != nil {
+				return Result{}, err
+			}
+			lat[via] = append(lat[via], l...)
+			took[via] += d
 		}
-		res[via] = st
+	}
+	var res Result
+	for via := range paths {
+		l := lat[via]
+		slices.Sort(l)
+		at := func(p int) time.Duration { return l[min(len(l)-1, len(l)*p/100)] }
+		res[via] = Stats{P50: at(50), P99: at(99), Rate: float64(len(l)) / took[via].Seconds()}
 	}
 	return res, nil
 }
 
-func (b *Bench) measure(ctx context.Context, via Path, agents, n int) (Stats, error) {
+// measure makes n calls on one path with agents calling at once, and
+// returns each call's latency and the time all n took.
+func (b *Bench) measure(ctx context.Context, via Path, agents, n int) ([]time.Duration, time.Duration, error) {
 	lat := make([]time.Duration, n)
 	var next atomic.Int64
 	var wg sync.WaitGroup
@@ -191,11 +219,9 @@ func (b *Bench) measure(ctx context.Context, via Path, agents, n int) (Stats, er
 		})
 	}
 	wg.Wait()
+	took := time.Since(start)
 	if err := errors.Join(errs...); err != nil {
-		return Stats{}, err
+		return nil, 0, err
 	}
-	rate := float64(n) / time.Since(start).Seconds()
-	slices.Sort(lat)
-	at := func(p int) time.Duration { return lat[min(len(lat)-1, len(lat)*p/100)] }
-	return Stats{P50: at(50), P99: at(99), Rate: rate}, nil
+	return lat, took, nil
 }
