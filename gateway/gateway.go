@@ -321,6 +321,11 @@ func (g *Gateway) proxy(w http.ResponseWriter, r *http.Request) {
 	}
 	in := ledger.Intent{IdempotencyKey: key, Operation: op, Dependency: route.Dependency, Method: r.Method,
 		Target: target, Payload: payload, Drop: drop, Secret: secret, MaxSendDelay: route.MaxSendDelay}
+	if route.Webhook != nil {
+		// Registered by the statement that records the receipt, before
+		// anything is sent: no crash after the call can lose it.
+		in.Webhook = route.Name
+	}
 	caller := &ledger.Caller{Ledger: g.ledger.As(statemachine.Actor(c.agent)), HTTP: g.clients[route],
 		ExternalID: route.ExternalID, MaxResponseBytes: g.cfg.MaxResponseBytes}
 	// The call outlives the agent's connection: its outcome is recorded
@@ -328,15 +333,22 @@ func (g *Gateway) proxy(w http.ResponseWriter, r *http.Request) {
 	ctx, cancel := context.WithTimeout(c.trace(context.WithoutCancel(r.Context())), route.Timeout+time.Minute)
 	defer cancel()
 	res, err := caller.Do(ctx, in, up.WithContext(ctx))
-	kept := g.keep(c, res, err)
-	switch {
-	case route.Webhook != nil && res != nil && res.Receipt != nil:
-		// A replay registers again: harmless, and it repairs a
-		// registration lost to a crash right after the call. The kept
-		// response rides in the same statement.
-		g.register(ctx, route, res.Receipt.ID, kept)
-	case kept != nil:
+	if kept := g.keep(c, res, err); kept != nil {
 		g.record(ctx, c, res.Receipt.ID, kept)
+	}
+	if route.Webhook != nil && res != nil && res.Receipt != nil {
+		switch {
+		case res.Replayed:
+			// A receipt recorded before registrations rode with the
+			// receipt (migration 00012) may have lost its registration to
+			// a crash after the call: a replay registers it (harmless when
+			// it is).
+			g.register(ctx, route, res.Receipt.ID)
+		case !ledger.Awaiting(res.Receipt.State):
+			// Settled by this call: its event was queued with the outcome,
+			// and only a settlement of an unknown outcome is notified.
+			signal(g.hooks.wake)
+		}
 	}
 	g.answer(w, r, c, res, err)
 	g.metrics.addedLatency(route.Name, c.added())
@@ -621,8 +633,7 @@ func (g *Gateway) keep(c *call, res *ledger.Result, err error) *storedResponse {
 	return kept
 }
 
-// record keeps a settled call's response for replays (a route without a
-// webhook: register keeps it otherwise).
+// record keeps a settled call's response for replays.
 func (g *Gateway) record(ctx context.Context, c *call, id int64, kept *storedResponse) {
 	if err := g.store.record(context.WithoutCancel(ctx), id, *kept, g.cfg.Retention); err != nil {
 		g.log.Warn("keeping the response for replays failed", "route", c.route.Name, "receipt_id", id, "error", err)

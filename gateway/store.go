@@ -24,8 +24,7 @@ const (
 	// settled receipt without one, which a replay answers from the receipt
 	// (as for one settled by a readback), or loses the outcome before it
 	// too (the WAL is written in order), and the reconciler settles the
-	// receipt again. A route with a webhook keeps it with the registration
-	// instead (sqlRegisterWebhook), which must be durable.
+	// receipt again.
 	sqlRecord = `INSERT INTO reconciler.gateway_responses
 		(receipt_id, agent, status, headers, body, body_bytes, expires_at)
 		SELECT $1::bigint, $2::text, $3::integer, $4::jsonb, $5::bytea, $6::bigint,
@@ -39,23 +38,18 @@ const (
 		WHERE expires_at <= clock_timestamp() ORDER BY expires_at LIMIT $1)`
 
 	// sqlRegisterWebhook records that a receipt was made through a route
-	// with a webhook and, when it has settled already, queues its event;
-	// with a status ($4 not NULL) it also keeps the call's response as
-	// sqlRecord does, in the same (durable) commit. FOR SHARE orders it
-	// with a settlement in flight: that one either committed before (the
-	// row is read as settled here) or waits for this statement to commit
-	// (and its trigger then sees the registration).
+	// with a webhook and, when it has settled already, queues its event: a
+	// receipt recorded before migration 00012, whose registration was made
+	// after the call (a new receipt is registered by the statement that
+	// records it: ledger.Intent.Webhook). FOR SHARE orders it with a
+	// settlement in flight: that one either committed before (the row is
+	// read as settled here) or waits for this statement to commit (and its
+	// trigger then sees the registration).
 	sqlRegisterWebhook = `WITH r AS (
 			SELECT id, state FROM reconciler.receipts WHERE id = $1 FOR SHARE),
 		reg AS (
 			INSERT INTO reconciler.webhook_receipts (receipt_id, route)
-			SELECT id, $2 FROM r ON CONFLICT DO NOTHING RETURNING receipt_id, route),
-		kept AS (
-			INSERT INTO reconciler.gateway_responses
-				(receipt_id, agent, status, headers, body, body_bytes, expires_at)
-			SELECT id, $3::text, $4::integer, $5::jsonb, $6::bytea, $7::bigint, clock_timestamp() + $8::interval
-			FROM r WHERE $4::integer IS NOT NULL
-			ON CONFLICT (receipt_id) DO NOTHING)
+			SELECT id, $2 FROM r ON CONFLICT DO NOTHING RETURNING receipt_id, route)
 		INSERT INTO reconciler.webhook_deliveries (receipt_id, state, route)
 		SELECT r.id, r.state, reg.route FROM r JOIN reg ON reg.receipt_id = r.id
 		WHERE r.state IN ('succeeded', 'safe_to_retry', 'rejected', 'manual_review')
@@ -160,19 +154,8 @@ type claimedDelivery struct {
 // registerWebhook records that receipt id was made through route, and
 // keeps its response for retention when kept is not nil; it reports
 // whether an event was queued at once (the receipt had settled).
-func (s store) registerWebhook(ctx context.Context, id int64, route string, kept *storedResponse, retention time.Duration) (bool, error) {
-	var agent *string
-	var status *int
-	var headers http.Header
-	var body []byte
-	var bodyBytes int64
-	if kept != nil {
-		agent, status, headers, body, bodyBytes = &kept.Agent, &kept.Status, kept.Headers, kept.Body, kept.BodyBytes
-		if headers == nil {
-			headers = http.Header{}
-		}
-	}
-	tag, err := s.db.Exec(ctx, sqlRegisterWebhook, id, route, agent, status, headers, body, bodyBytes, retention)
+func (s store) registerWebhook(ctx context.Context, id int64, route string) (bool, error) {
+	tag, err := s.db.Exec(ctx, sqlRegisterWebhook, id, route)
 	if err != nil {
 		return false, fmt.Errorf("gateway: register the webhook of receipt %d: %w", id, err)
 	}

@@ -181,14 +181,12 @@ func (w *webhooks) backoff(n int) time.Duration {
 	return rand.N(ceil) + 1
 }
 
-// register records a receipt made through a route with a webhook, so its
-// settlement is delivered, and keeps the call's response for replays when
-// kept is not nil, in one statement; it runs after the call, whatever its
-// outcome.
-func (g *Gateway) register(ctx context.Context, route *Route, id int64, kept *storedResponse) {
-	queued, err := g.store.registerWebhook(context.WithoutCancel(ctx), id, route.Name, kept, g.cfg.Retention)
+// register records a replayed receipt of a route with a webhook, so its
+// settlement is delivered (see sqlRegisterWebhook).
+func (g *Gateway) register(ctx context.Context, route *Route, id int64) {
+	queued, err := g.store.registerWebhook(context.WithoutCancel(ctx), id, route.Name)
 	if err != nil {
-		g.log.Error("registering a receipt's webhook failed: its settlement will not be delivered, nor its response replayed",
+		g.log.Error("registering a receipt's webhook failed: its settlement will not be delivered",
 			"route", route.Name, "receipt_id", id, "error", err)
 		return
 	}

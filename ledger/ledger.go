@@ -159,6 +159,14 @@ type Intent struct {
 	// MaxSendDelayLimit (ErrInvalidIntent). Recorded at plan time, it never
 	// changes: a known key keeps the deadline it was planned with.
 	MaxSendDelay time.Duration
+	// Webhook, when not empty, names the receipt gateway's route whose
+	// webhook is sent this receipt's settlements. The registration
+	// (reconciler.webhook_receipts) is written by the statement that
+	// records the receipt, in its commit, before any byte is sent, so no
+	// crash after the call can leave the receipt unregistered; the
+	// database then queues each settlement in the settling transaction.
+	// The gateway sets it; other agents leave it empty.
+	Webhook string
 }
 
 // Receipt is one attempt at one side effect: the current-state projection.
@@ -335,6 +343,37 @@ const (
 		RETURNING ` + receiptColumns
 )
 
+// The statements that record a new receipt: PlanAndSubmit's INSERT (the
+// triggers make every check reconciler.plan would) and reconciler.plan
+// (Plan, Retry, and PlanAndSubmit's fallback). The forms for an intent
+// with a Webhook register the receipt's webhook in the same statement
+// (webhook_receipts; a known key's receipt is registered too, as the
+// gateway's registration after a replayed call did).
+const (
+	sqlPlanAndSubmit = `INSERT INTO reconciler.receipts
+		(idempotency_key, operation, dependency, method, target, fingerprint, intent, state_actor,
+		 pre_image, max_send_delay, guarded, state)
+		VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, 'submitted')
+		RETURNING ` + receiptColumns
+	sqlPlanAndSubmitWebhook = `WITH r AS (
+			INSERT INTO reconciler.receipts
+				(idempotency_key, operation, dependency, method, target, fingerprint, intent, state_actor,
+				 pre_image, max_send_delay, guarded, state)
+			VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, 'submitted')
+			RETURNING *),
+		hook AS (INSERT INTO reconciler.webhook_receipts (receipt_id, route) SELECT id, $12 FROM r)
+		SELECT ` + receiptColumns + ` FROM r`
+	sqlPlanCall = `reconciler.plan(
+		idempotency_key => $1, operation => $2, dependency => $3, method => $4, target => $5,
+		fingerprint => $6, intent => $7, actor => $8, allow_duplicate => $9, retry_of => $10,
+		pre_image => $11, max_send_delay => $12, submit => $13)`
+	sqlPlan        = `SELECT ` + receiptColumns + ` FROM ` + sqlPlanCall
+	sqlPlanWebhook = `WITH r AS (SELECT * FROM ` + sqlPlanCall + `),
+		hook AS (INSERT INTO reconciler.webhook_receipts (receipt_id, route) SELECT id, $14 FROM r
+		         ON CONFLICT DO NOTHING)
+		SELECT ` + receiptColumns + ` FROM r`
+)
+
 func scanReceipt(row pgx.Row) (*Receipt, error) {
 	var r Receipt
 	var state string
@@ -402,13 +441,13 @@ func (c *Client) PlanAndSubmit(ctx context.Context, in Intent) (*Receipt, error)
 	// is committed, and receipt_keys is insert-only), so plan is asked
 	// without submit: it returns the key's receipt (or refuses a
 	// conflicting reuse) in the one round trip, with no read after it.
-	r, err := scanReceipt(c.pool.QueryRow(ctx, `INSERT INTO reconciler.receipts
-		(idempotency_key, operation, dependency, method, target, fingerprint, intent, state_actor,
-		 pre_image, max_send_delay, guarded, state)
-		VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, 'submitted')
-		RETURNING `+receiptColumns,
-		in.IdempotencyKey, in.Operation, in.Dependency, strings.ToUpper(in.Method), in.Target,
-		fp.Fingerprint, fp.Intent, string(c.actor), preImage(in.PreImage), sendDelay(in), !in.AllowDuplicate))
+	args := []any{in.IdempotencyKey, in.Operation, in.Dependency, strings.ToUpper(in.Method), in.Target,
+		fp.Fingerprint, fp.Intent, string(c.actor), preImage(in.PreImage), sendDelay(in), !in.AllowDuplicate}
+	sql := sqlPlanAndSubmit
+	if in.Webhook != "" {
+		sql, args = sqlPlanAndSubmitWebhook, append(args, in.Webhook)
+	}
+	r, err := scanReceipt(c.pool.QueryRow(ctx, sql, args...))
 	if code, pe := pgCode(err); code == codeUniqueKey && pe.ConstraintName == "receipt_keys_pkey" {
 		if r, err = c.plan(ctx, in, fp, 0, false); err != nil {
 			return nil, err
@@ -440,7 +479,8 @@ func checkIntent(in Intent) error {
 		name, v string
 		max     int
 	}{{"operation", in.Operation, MaxNameBytes}, {"dependency", in.Dependency, MaxNameBytes},
-		{"method", in.Method, MaxNameBytes}, {"target", in.Target, MaxTargetBytes}} {
+		{"method", in.Method, MaxNameBytes}, {"target", in.Target, MaxTargetBytes},
+		{"webhook route", in.Webhook, MaxTargetBytes}} {
 		if len(f.v) > f.max {
 			return fmt.Errorf("ledger: plan %s: %w: the %s is %d bytes, more than %d",
 				sanitize.Terminal(truncate(in.IdempotencyKey)), ErrInvalidIntent, f.name, len(f.v), f.max)
@@ -523,13 +563,14 @@ func (c *Client) plan(ctx context.Context, in Intent, fp fingerprint.Result, ret
 	if retryOf != 0 {
 		retry = &retryOf
 	}
-	row := c.pool.QueryRow(ctx, `SELECT `+receiptColumns+` FROM reconciler.plan(
-		idempotency_key => $1, operation => $2, dependency => $3, method => $4, target => $5,
-		fingerprint => $6, intent => $7, actor => $8, allow_duplicate => $9, retry_of => $10,
-		pre_image => $11, max_send_delay => $12, submit => $13)`,
-		in.IdempotencyKey, in.Operation, in.Dependency, strings.ToUpper(in.Method), in.Target,
+	args := []any{in.IdempotencyKey, in.Operation, in.Dependency, strings.ToUpper(in.Method), in.Target,
 		fp.Fingerprint, fp.Intent, string(c.actor), in.AllowDuplicate, retry, preImage(in.PreImage),
-		sendDelay(in), submit)
+		sendDelay(in), submit}
+	sql := sqlPlan
+	if in.Webhook != "" {
+		sql, args = sqlPlanWebhook, append(args, in.Webhook)
+	}
+	row := c.pool.QueryRow(ctx, sql, args...)
 	r, err := scanReceipt(row)
 	if code, pe := pgCode(err); code == codeKnownKey {
 		// Not a failure: the key's receipt, for the caller to carry on from.
