@@ -132,8 +132,8 @@ type webhooks struct {
 	base   time.Duration
 	cap    time.Duration
 	sweep  time.Duration
-	// wake is signaled by a settlement's notification and by a
-	// registration that queued an event.
+	// wake is signaled by a settlement's notification, by a call this
+	// gateway settled at once and by a registration that queued an event.
 	wake chan struct{}
 }
 
