@@ -133,6 +133,41 @@ func TestAwaitReturnsAtOnceAndOnTimeout(t *testing.T) {
 	}
 }
 
+// A receipt in flight is moved on by its agent without a notification
+// (migration 00011): Await re-reads it on its timer, and returns the
+// agent's own outcome. Without the timer it would wait out its context
+// (the minute given here).
+func TestAwaitInFlightReturnsTheAgentsOutcome(t *testing.T) {
+	c := newClient(t)
+	ctx := context.Background()
+	in := article("await:inflight:articles.create")
+	r, err := c.PlanAndSubmit(ctx, in)
+	if err != nil {
+		t.Fatal(err)
+	}
+	type result struct {
+		r   *ledger.Receipt
+		err error
+	}
+	got := make(chan result, 1)
+	go func() {
+		actx, cancel := context.WithTimeout(ctx, time.Minute)
+		defer cancel()
+		r, err := c.Await(actx, r.ID)
+		got <- result{r, err}
+	}()
+	waitListeners(t, c.Pool(), 1)
+	start := time.Now()
+	if _, err := c.Succeed(ctx, r, "art-inflight", ledger.Detail{}); err != nil {
+		t.Fatal(err)
+	}
+	res := <-got
+	if res.err != nil || res.r.State != statemachine.Succeeded || res.r.ExternalID != "art-inflight" {
+		t.Fatalf("Await of an in-flight receipt = %+v, %v; want succeeded with art-inflight", res.r, res.err)
+	}
+	t.Logf("Await returned the agent's outcome %v after it was recorded", time.Since(start))
+}
+
 // Many waiters on many receipts share one dedicated connection, and each
 // is woken by its own receipt's settlement only.
 func TestAwaitManyShareOneConnection(t *testing.T) {
