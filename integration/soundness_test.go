@@ -592,6 +592,41 @@ func TestRetriedRecordChecksIsIdempotent(t *testing.T) {
 	}
 }
 
+// A recorder write whose commit outcome is still unknown when the grace
+// period ends leaves its checks unconfirmed (Recorded false), though they
+// may have committed: the settlement writes them with its outcome, and must
+// not write one that is there already (a review leftover: the plain
+// Complete inserted such a check a second time).
+func TestUnconfirmedCheckIsNotRecordedTwice(t *testing.T) {
+	ctx := context.Background()
+	db := pgtest.NewPool(t)
+	ids := seed(t, db, 1, "things.create", "fake-api", "outcome_unknown")
+	store, err := reconcile.NewStore(db, "unconfirmed-test")
+	if err != nil {
+		t.Fatal(err)
+	}
+	now := time.Now().Add(time.Second)
+	claimed, err := store.Claim(ctx, now, 10, time.Minute)
+	if err != nil || len(claimed) != 1 {
+		t.Fatalf("claimed %d, %v", len(claimed), err)
+	}
+	rec := &reconcile.CheckRecord{CheckNo: 1, At: now, Adapter: "a", Dependency: "fake-api", Verdict: "present", Latency: time.Millisecond}
+	if err := store.RecordChecks(ctx, []reconcile.ReceiptCheck{{ReceiptID: claimed[0].ID, Check: rec}}); err != nil {
+		t.Fatal(err)
+	}
+	// The write committed, but its answer never came: the pool gave up on
+	// it at the end of the grace period, so the check is unconfirmed.
+	rec.Recorded = false
+	out := reconcile.Outcome{ID: claimed[0].ID, Lease: claimed[0].Lease, To: statemachine.Succeeded, ExternalID: "x",
+		Check: rec, Detail: reconcile.Detail{Reason: reconcile.ReasonPresent}}
+	if applied, err := store.Complete(ctx, []reconcile.Outcome{out}); err != nil || len(applied) != 1 {
+		t.Fatalf("complete: %v, %v", applied, err)
+	}
+	if n := checkCount(t, db, ids[0]); n != 1 {
+		t.Fatalf("%d check rows for one read, want 1", n)
+	}
+}
+
 // Issue 7, suspicion "the sweep has no statement timeout, so a hung
 // connection stops all claiming": confirmed (a lock held on the receipts
 // table kept the sweep, and the claim loop behind it, waiting for as long as
