@@ -208,6 +208,10 @@ type LearnedLag struct {
 	// missed holds the receipts a read at or past L found absent, until
 	// their absence window: if one is found later, L was too short.
 	missed map[int64]missed
+	// missedFrom is at or before every window in missed (the earliest
+	// after each full scan, lowered by each miss remembered since): a full
+	// memory that holds no window before a new miss's is not scanned again.
+	missedFrom time.Time
 }
 
 // missed is a read at or past the learned lag that found nothing.
@@ -295,14 +299,25 @@ func (s *LearnedLag) Observe(o Observation) {
 // is not remembered.
 func (s *LearnedLag) rememberMiss(id int64, m missed) {
 	if len(s.missed) >= lagMaxMisses {
+		if !s.missedFrom.Before(m.until) {
+			return // no window in memory comes before m's: nothing to forget
+		}
+		earliest := m.until
 		for k, old := range s.missed {
-			if old.until.Before(m.until) {
+			switch {
+			case old.until.Before(m.until):
 				delete(s.missed, k)
+			case old.until.Before(earliest):
+				earliest = old.until
 			}
 		}
+		s.missedFrom = earliest
 		if len(s.missed) >= lagMaxMisses {
 			return
 		}
+	}
+	if len(s.missed) == 0 || m.until.Before(s.missedFrom) {
+		s.missedFrom = m.until
 	}
 	s.missed[id] = m
 }

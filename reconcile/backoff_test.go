@@ -137,6 +137,27 @@ func TestLearnedLagMissMemory(t *testing.T) {
 	}
 }
 
+// BenchmarkLearnedLagFullMemory measures remembering a miss while the
+// memory is full of receipts whose windows all end after it, where nothing
+// can be forgotten: before the earliest window was kept, every such miss
+// scanned all lagMaxMisses entries under the schedule's lock.
+//
+//	go test ./reconcile -run '^$' -bench LearnedLagFullMemory
+func BenchmarkLearnedLagFullMemory(b *testing.B) {
+	now := time.Date(2026, 1, 1, 12, 0, 0, 0, time.UTC)
+	s := LearnedLag{missed: map[int64]missed{}}
+	for i := range lagMaxMisses {
+		s.rememberMiss(int64(i), missed{until: now.Add(time.Hour)})
+	}
+	b.ResetTimer()
+	for i := range b.N {
+		s.rememberMiss(int64(lagMaxMisses+i), missed{until: now.Add(time.Hour)})
+	}
+	if len(s.missed) != lagMaxMisses {
+		b.Fatalf("%d remembered, want %d", len(s.missed), lagMaxMisses)
+	}
+}
+
 // simulate reconciles waves of receipts submitted together, whose effects
 // become visible lag after submission, on simulated time: each receipt is
 // read once it became outcome_unknown, then whenever sched says, each read
