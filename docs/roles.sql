@@ -201,12 +201,14 @@ GRANT UPDATE (attempts, last_status, last_error, last_attempt_at, next_attempt_a
 
 -- reconciler_worker: claim (UPDATE ... FOR UPDATE SKIP LOCKED), complete
 -- (settle or reschedule, appending readback_checks and duplicate_alarms in
--- the same statement), orphan sweep, backlog counts, LISTEN (needs no
--- privilege), the shared breaker rows (upsert with RETURNING), and the late
--- outcomes agents recorded for the rows it claims (and which the trigger
--- reads on a move to safe_to_retry).
-GRANT SELECT ON reconciler.receipts, reconciler.duplicate_alarms, reconciler.late_outcomes
-    TO reconciler_worker;
+-- the same statement; a check written again after an unknown commit is
+-- first looked up in readback_checks, so one read is recorded once), orphan
+-- sweep, backlog counts, LISTEN (needs no privilege), the shared breaker
+-- rows (upsert with RETURNING), and the late outcomes agents recorded for
+-- the rows it claims (and which the trigger reads on a move to
+-- safe_to_retry).
+GRANT SELECT ON reconciler.receipts, reconciler.readback_checks, reconciler.duplicate_alarms,
+    reconciler.late_outcomes TO reconciler_worker;
 GRANT UPDATE (state, state_actor, state_detail, external_id, lease_owner, lease_expires_at,
               next_check_at, check_count, last_check_transient, wait_count)
     ON reconciler.receipts TO reconciler_worker;

@@ -382,6 +382,20 @@ func TestWorker(t *testing.T) {
 	if checks != 3 || alarms != 1 {
 		t.Errorf("%d readback checks and %d duplicate alarms, want 3 and 1", checks, alarms)
 	}
+	// A write of checks whose commit outcome was unknown is repeated: it
+	// looks the checks up first (the worker reads readback_checks for that),
+	// and a check recorded already is not recorded again.
+	again := &reconcile.CheckRecord{CheckNo: 9, At: now(), Adapter: "static", Dependency: "static-api",
+		Verdict: "present", Authoritative: true, Latency: time.Millisecond}
+	for range 2 {
+		if err := pool.Store().RecordChecksAgain(ctx, []reconcile.ReceiptCheck{{ReceiptID: present.ID, Check: again}}); err != nil {
+			t.Fatalf("a repeated write of checks as the worker: %v", err)
+		}
+	}
+	if err := e.owner.QueryRow(ctx, `SELECT count(*) FROM reconciler.readback_checks WHERE receipt_id = $1 AND check_no = 9`,
+		present.ID).Scan(&checks); err != nil || checks != 1 {
+		t.Errorf("the repeated check is recorded %d times (%v), want once", checks, err)
+	}
 	b, err := pool.Store().Backlog(ctx, now(), time.Hour, 5*time.Minute)
 	if err != nil {
 		t.Fatal(err)
