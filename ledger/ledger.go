@@ -350,17 +350,12 @@ const (
 // (webhook_receipts; a known key's receipt is registered too, as the
 // gateway's registration after a replayed call did).
 const (
-	sqlPlanAndSubmit = `INSERT INTO reconciler.receipts
+	sqlInsertSubmitted = `INSERT INTO reconciler.receipts
 		(idempotency_key, operation, dependency, method, target, fingerprint, intent, state_actor,
 		 pre_image, max_send_delay, guarded, state)
-		VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, 'submitted')
-		RETURNING ` + receiptColumns
-	sqlPlanAndSubmitWebhook = `WITH r AS (
-			INSERT INTO reconciler.receipts
-				(idempotency_key, operation, dependency, method, target, fingerprint, intent, state_actor,
-				 pre_image, max_send_delay, guarded, state)
-			VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, 'submitted')
-			RETURNING *),
+		VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, 'submitted')`
+	sqlPlanAndSubmit        = sqlInsertSubmitted + ` RETURNING ` + receiptColumns
+	sqlPlanAndSubmitWebhook = `WITH r AS (` + sqlInsertSubmitted + ` RETURNING *),
 		hook AS (INSERT INTO reconciler.webhook_receipts (receipt_id, route) SELECT id, $12 FROM r)
 		SELECT ` + receiptColumns + ` FROM r`
 	sqlPlanCall = `reconciler.plan(
