@@ -98,7 +98,8 @@ func writeReceipt(w http.ResponseWriter, status int, rc *ledger.Receipt) {
 
 // serveReceipt answers GET /receipts/{id}[?wait=30s]: the receipt, after
 // waiting (at most maxWait) until it settles when wait is given. The wait
-// is woken by the database's NOTIFY on settlement (ledger.Client.Await).
+// is woken by the database's NOTIFY when an unknown outcome settles; a
+// receipt still in flight is re-read on a timer (ledger.Client.Await).
 func (g *Gateway) serveReceipt(w http.ResponseWriter, r *http.Request) {
 	const route = "receipts"
 	if _, _, bad := g.authenticate(r); bad != nil {
