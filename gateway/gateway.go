@@ -340,7 +340,7 @@ func (g *Gateway) proxy(w http.ResponseWriter, r *http.Request) {
 		switch {
 		case res.Replayed:
 			// A receipt recorded before registrations rode with the
-			// receipt (migration 00012) may have lost its registration to
+			// receipt (migration 00011) may have lost its registration to
 			// a crash after the call: a replay registers it (harmless when
 			// it is).
 			g.register(ctx, route, res.Receipt.ID)

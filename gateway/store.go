@@ -39,7 +39,7 @@ const (
 
 	// sqlRegisterWebhook records that a receipt was made through a route
 	// with a webhook and, when it has settled already, queues its event: a
-	// receipt recorded before migration 00012, whose registration was made
+	// receipt recorded before migration 00011, whose registration was made
 	// after the call (a new receipt is registered by the statement that
 	// records it: ledger.Intent.Webhook). FOR SHARE orders it with a
 	// settlement in flight: that one either committed before (the row is

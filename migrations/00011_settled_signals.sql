@@ -1,5 +1,5 @@
 -- Issue 12, the agent's hot path: the settlement signals of 00009 (NOTIFY
--- reconciler_settled) and 00010 (queue the route's webhook) no longer run on
+-- reconciler_settled) and 00010 (queue the route's webhook) no longer cost
 -- the moves an agent makes itself.
 --
 -- Both were row triggers on every move into a settled state, so every call
@@ -10,17 +10,25 @@
 -- with eight agents the ledger ran at 0.55x bare SQL, and at 0.8x without
 -- them.
 --
--- Nobody needs a signal for those moves. The agent that records the outcome
--- of its own call has it already, and so does the gateway, which registers a
--- receipt's webhook only after the call returns (gateway.register). What
--- waiters and webhooks wait for is the settlement of an unknown outcome: a
--- move out of outcome_unknown, reconciling or manual_review, made by the
--- reconciler or a reviewer. Those moves now signal from the statement
--- trigger that already writes their history (one statement per UPDATE, not
--- two trigger calls per row), and in the same transaction as before: the
--- webhook is queued durably with the settlement, and the NOTIFY is delivered
--- at its commit. ledger.Client.Await re-reads a receipt still in flight
--- (planned or submitted) on a short timer instead.
+-- Nobody waits on a notification of those moves: the agent that records the
+-- outcome of its own call has it already. What waiters wait for is the
+-- settlement of an unknown outcome: a move out of outcome_unknown,
+-- reconciling or manual_review, made by the reconciler or a reviewer. Only
+-- those moves notify now, and ledger.Client.Await re-reads a receipt still
+-- in flight (planned or submitted) on a short timer instead. Both signals
+-- come from the statement trigger that already writes history (one
+-- statement per UPDATE, not two trigger calls per row), in the settling
+-- transaction as before: the NOTIFY is delivered at its commit.
+--
+-- Issue 13's leftover, a webhook registration lost to a gateway crash: the
+-- gateway registered a receipt's webhook (reconciler.webhook_receipts) after
+-- the call returned, so a gateway that died between the upstream's answer
+-- and that statement left a receipt whose settlement nobody would be told
+-- of. It now registers in the statement that records the receipt
+-- (ledger.Intent.Webhook: the same commit, before any byte is sent), and the
+-- trigger queues the event of every settlement of a registered receipt,
+-- whoever makes it, the agent's own outcome included: an agent's move pays
+-- one probe of webhook_receipts' primary key.
 --
 -- And reconciler.transition compares the expected state under the "C"
 -- collation, as the ledger client's own move does: planned for its
@@ -49,16 +57,16 @@ BEGIN
         WHERE n.moved_from IS NOT NULL
         RETURNING receipt_id, from_state, to_state
     ), settled AS (
-        SELECT e.receipt_id, e.to_state FROM e
-        WHERE e.from_state IN ('outcome_unknown', 'reconciling', 'manual_review')
-          AND e.to_state IN ('succeeded', 'safe_to_retry', 'rejected', 'manual_review')
+        SELECT e.receipt_id, e.from_state, e.to_state FROM e
+        WHERE e.to_state IN ('succeeded', 'safe_to_retry', 'rejected', 'manual_review')
     ), hooks AS (
         INSERT INTO reconciler.webhook_deliveries (receipt_id, state, route)
         SELECT s.receipt_id, s.to_state, w.route
         FROM settled s JOIN reconciler.webhook_receipts w ON w.receipt_id = s.receipt_id
         ON CONFLICT DO NOTHING
     )
-    SELECT count(pg_notify('reconciler_settled', s.receipt_id::text)) INTO signalled FROM settled s;
+    SELECT count(pg_notify('reconciler_settled', s.receipt_id::text)) INTO signalled FROM settled s
+    WHERE s.from_state IN ('outcome_unknown', 'reconciling', 'manual_review');
     RETURN NULL;
 END
 $$;
