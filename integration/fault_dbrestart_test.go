@@ -24,20 +24,8 @@ import (
 func testDatabaseRestart(t *testing.T, bin string) {
 	const backlog = 1500
 	seed := faultSeed(t, 11)
-	cluster, err := pgcluster.Start()
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { _ = cluster.Stop() })
+	cluster, db := ownCluster(t)
 	ctx := context.Background()
-	db, err := pgxpool.New(ctx, cluster.URL)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(db.Close)
-	if err := migrations.Up(ctx, db); err != nil {
-		t.Fatal(err)
-	}
 	rng := rand.New(rand.NewPCG(seed, 1))
 	api := newTruthAPI(t, seed, truthFaults{latency: 20 * time.Millisecond})
 	truth := seedTruth(t, db, api, rng, backlog, 0.5)
@@ -89,4 +77,25 @@ func testDatabaseRestart(t *testing.T, bin string) {
 		backlog, up.Sub(down).Round(100*time.Millisecond), ready.Round(10*time.Millisecond),
 		settled.Round(100*time.Millisecond), v.succeeded, v.safeToRetry,
 		strings.Contains(d.stderr.String(), "outcomes kept until the database answers"))
+}
+
+// ownCluster starts a throwaway cluster of the test's own, which the test
+// may crash and restart (Pause, Resume), and returns it with a pool on its
+// migrated postgres database; both go at the test's end.
+func ownCluster(t *testing.T) (*pgcluster.Cluster, *pgxpool.Pool) {
+	t.Helper()
+	cluster, err := pgcluster.Start()
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = cluster.Stop() })
+	db, err := pgxpool.New(context.Background(), cluster.URL)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(db.Close)
+	if err := migrations.Up(context.Background(), db); err != nil {
+		t.Fatal(err)
+	}
+	return cluster, db
 }

@@ -10,11 +10,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/jackc/pgx/v5/pgxpool"
-
-	"github.com/receiptledger/reconciler/internal/pgcluster"
 	"github.com/receiptledger/reconciler/ledger"
-	"github.com/receiptledger/reconciler/migrations"
 	"github.com/receiptledger/reconciler/reconcile"
 )
 
@@ -29,19 +25,7 @@ import (
 // unflushed; the test says whether it did.
 func TestOutcomeLostInADatabaseCrashIsReadBack(t *testing.T) {
 	ctx := context.Background()
-	cluster, err := pgcluster.Start()
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { _ = cluster.Stop() })
-	db, err := pgxpool.New(ctx, cluster.URL)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(db.Close)
-	if err := migrations.Up(ctx, db); err != nil {
-		t.Fatal(err)
-	}
+	cluster, db := ownCluster(t)
 	for _, q := range []string{`ALTER SYSTEM SET wal_writer_delay = '10s'`, `ALTER SYSTEM SET wal_writer_flush_after = '1GB'`,
 		`SELECT pg_reload_conf()`} {
 		if _, err := db.Exec(ctx, q); err != nil {

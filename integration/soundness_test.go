@@ -490,6 +490,24 @@ func TestLateOutcomes(t *testing.T) {
 	}
 }
 
+// claimSeeded seeds n outcome_unknown receipts of fake-api and claims them
+// all through a store of instance, a second ahead of now: it returns their
+// ids, the store, the claimed rows and the claim's time.
+func claimSeeded(t *testing.T, db *pgxpool.Pool, n int, instance string) ([]int64, *reconcile.Store, []reconcile.Claimed, time.Time) {
+	t.Helper()
+	ids := seed(t, db, n, "things.create", "fake-api", "outcome_unknown")
+	store, err := reconcile.NewStore(db, instance)
+	if err != nil {
+		t.Fatal(err)
+	}
+	now := time.Now().Add(time.Second)
+	claimed, err := store.Claim(context.Background(), now, 10, time.Minute)
+	if err != nil || len(claimed) != n {
+		t.Fatalf("claimed %d, %v", len(claimed), err)
+	}
+	return ids, store, claimed, now
+}
+
 // Issue 7, suspicion "a retried Complete after an ambiguous commit inserts
 // check rows twice and reuses check_no": confirmed (Complete run twice
 // recorded the check twice and reported the row lost). CompleteAgain, which
@@ -498,16 +516,7 @@ func TestLateOutcomes(t *testing.T) {
 func TestRetriedCompleteIsIdempotent(t *testing.T) {
 	ctx := context.Background()
 	db := pgtest.NewPool(t)
-	ids := seed(t, db, 2, "things.create", "fake-api", "outcome_unknown")
-	store, err := reconcile.NewStore(db, "retry-test")
-	if err != nil {
-		t.Fatal(err)
-	}
-	now := time.Now().Add(time.Second)
-	claimed, err := store.Claim(ctx, now, 10, time.Minute)
-	if err != nil || len(claimed) != 2 {
-		t.Fatalf("claimed %d, %v", len(claimed), err)
-	}
+	ids, store, claimed, now := claimSeeded(t, db, 2, "retry-test")
 	check := func(id int64) *reconcile.CheckRecord {
 		return &reconcile.CheckRecord{CheckNo: 1, At: now, Adapter: "a", Dependency: "fake-api", Verdict: "present", Latency: time.Millisecond}
 	}
@@ -546,16 +555,7 @@ func TestRetriedCompleteIsIdempotent(t *testing.T) {
 func TestRetriedRecordChecksIsIdempotent(t *testing.T) {
 	ctx := context.Background()
 	db := pgtest.NewPool(t)
-	ids := seed(t, db, 2, "things.create", "fake-api", "outcome_unknown")
-	store, err := reconcile.NewStore(db, "record-test")
-	if err != nil {
-		t.Fatal(err)
-	}
-	now := time.Now().Add(time.Second)
-	claimed, err := store.Claim(ctx, now, 10, time.Minute)
-	if err != nil || len(claimed) != 2 {
-		t.Fatalf("claimed %d, %v", len(claimed), err)
-	}
+	ids, store, claimed, now := claimSeeded(t, db, 2, "record-test")
 	checks := make([]reconcile.ReceiptCheck, len(claimed))
 	outs := make([]reconcile.Outcome, len(claimed))
 	for i, c := range claimed {
@@ -600,16 +600,7 @@ func TestRetriedRecordChecksIsIdempotent(t *testing.T) {
 func TestUnconfirmedCheckIsNotRecordedTwice(t *testing.T) {
 	ctx := context.Background()
 	db := pgtest.NewPool(t)
-	ids := seed(t, db, 1, "things.create", "fake-api", "outcome_unknown")
-	store, err := reconcile.NewStore(db, "unconfirmed-test")
-	if err != nil {
-		t.Fatal(err)
-	}
-	now := time.Now().Add(time.Second)
-	claimed, err := store.Claim(ctx, now, 10, time.Minute)
-	if err != nil || len(claimed) != 1 {
-		t.Fatalf("claimed %d, %v", len(claimed), err)
-	}
+	ids, store, claimed, now := claimSeeded(t, db, 1, "unconfirmed-test")
 	rec := &reconcile.CheckRecord{CheckNo: 1, At: now, Adapter: "a", Dependency: "fake-api", Verdict: "present", Latency: time.Millisecond}
 	if err := store.RecordChecks(ctx, []reconcile.ReceiptCheck{{ReceiptID: claimed[0].ID, Check: rec}}); err != nil {
 		t.Fatal(err)

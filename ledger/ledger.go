@@ -393,17 +393,23 @@ func scanReceipt(row pgx.Row) (*Receipt, error) {
 // database cannot take (see Key and LogicalKey) is refused with
 // ErrInvalidKey before the round trip.
 func (c *Client) Plan(ctx context.Context, in Intent) (*Receipt, error) {
-	if err := checkIntent(in); err != nil {
-		return nil, err
-	}
-	if err := checkFirstKey(in.IdempotencyKey); err != nil {
-		return nil, err
-	}
-	fp, err := intentFingerprint(in, c.secretKey)
+	fp, err := c.firstAttempt(in)
 	if err != nil {
 		return nil, err
 	}
 	return c.plan(ctx, in, fp, 0, false)
+}
+
+// firstAttempt checks an intent planned as a first attempt (Plan,
+// PlanAndSubmit) before any round trip and returns its fingerprint.
+func (c *Client) firstAttempt(in Intent) (fingerprint.Result, error) {
+	if err := checkIntent(in); err != nil {
+		return fingerprint.Result{}, err
+	}
+	if err := checkFirstKey(in.IdempotencyKey); err != nil {
+		return fingerprint.Result{}, err
+	}
+	return intentFingerprint(in, c.secretKey)
 }
 
 // PlanAndSubmit records a new intent planned and submitted in one
@@ -416,13 +422,7 @@ func (c *Client) Plan(ctx context.Context, in Intent) (*Receipt, error) {
 // already names a receipt, nothing is submitted: it returns that receipt
 // as it is with ErrKnownKey, and the caller carries on from its state.
 func (c *Client) PlanAndSubmit(ctx context.Context, in Intent) (*Receipt, error) {
-	if err := checkIntent(in); err != nil {
-		return nil, err
-	}
-	if err := checkFirstKey(in.IdempotencyKey); err != nil {
-		return nil, err
-	}
-	fp, err := intentFingerprint(in, c.secretKey)
+	fp, err := c.firstAttempt(in)
 	if err != nil {
 		return nil, err
 	}
