@@ -21,8 +21,8 @@ import (
 // made before the bytes left (submitted) must survive it, and the receipt
 // must then settle succeeded by readback, with the effect once: never
 // safe_to_retry, never a second send. The WAL writer is held back (its
-// longest delay), so the crash right after the call finds the outcome
-// unflushed; the test says whether it did.
+// longest delay, nothing else committing), so the crash right after the
+// call finds the outcome unflushed, which the test requires.
 func TestOutcomeLostInADatabaseCrashIsReadBack(t *testing.T) {
 	ctx := context.Background()
 	cluster, db := ownCluster(t)
@@ -84,7 +84,8 @@ func TestOutcomeLostInADatabaseCrashIsReadBack(t *testing.T) {
 	case "submitted":
 		t.Logf("the crash lost the unflushed outcome: receipt %d is back in submitted", id)
 	case "succeeded":
-		t.Logf("the outcome was flushed before the crash")
+		t.Fatalf("the outcome was flushed before the crash (the WAL writer ran, or something committed "+
+			"synchronously after it): the test did not exercise the path it is for; receipt %d is succeeded", id)
 	default:
 		t.Fatalf("after the crash receipt %d is %q: the record made before the send must survive", id, after.State)
 	}
