@@ -332,15 +332,14 @@ const receiptColumns = `id, idempotency_key, operation, dependency, method, targ
 // sqlMoveOutcome records the outcome of a call (a move out of submitted)
 // without waiting for its WAL flush: see WithDurableOutcomes.
 const (
-	sqlMove = `UPDATE reconciler.receipts
-		SET state = $2, state_actor = $3, state_detail = $4, external_id = coalesce($5, external_id)
+	sqlMoveSet = `UPDATE reconciler.receipts
+		SET state = $2, state_actor = $3, state_detail = $4, external_id = coalesce($5, external_id)`
+	sqlMoveWhere = `
 		WHERE id = $1 AND state = $6 COLLATE "C"
 		RETURNING ` + receiptColumns
-	sqlMoveOutcome = `UPDATE reconciler.receipts
-		SET state = $2, state_actor = $3, state_detail = $4, external_id = coalesce($5, external_id)
-		FROM (SELECT set_config('synchronous_commit', 'off', true)) AS async
-		WHERE id = $1 AND state = $6 COLLATE "C"
-		RETURNING ` + receiptColumns
+	sqlMove        = sqlMoveSet + sqlMoveWhere
+	sqlMoveOutcome = sqlMoveSet + `
+		FROM (SELECT set_config('synchronous_commit', 'off', true)) AS async` + sqlMoveWhere
 )
 
 // The statements that record a new receipt: PlanAndSubmit's INSERT (the
