@@ -1,8 +1,10 @@
 // Package benchgw measures what the receipt gateway adds to a call: the
-// same POSTs against a local upstream sent directly, through the Go ledger
-// client (Caller.Do, which writes the same receipts in process) and through
-// the gateway over HTTP, taking turns in one run, so that `reconciler bench
-// gateway` and the gateway package's BenchmarkGateway share one definition.
+// same POSTs against a local upstream sent directly, after one durable
+// commit (the floor: what any ledger adds, since its record must be flushed
+// before the bytes leave), through the Go ledger client (Caller.Do, which
+// writes the same receipts in process) and through the gateway over HTTP,
+// taking turns in one run, so that `reconciler bench gateway` and the
+// gateway package's BenchmarkGateway share one definition.
 package benchgw
 
 import (
@@ -45,15 +47,16 @@ routes:
 // Path is how a measured call reaches the upstream.
 type Path int
 
-// The three paths, measured in this order.
+// The four paths, measured in this order.
 const (
 	Direct  Path = iota // plain HTTP, no ledger
+	Commit              // one durable INSERT committed, then plain HTTP
 	Do                  // the Go ledger client, Caller.Do
 	Gateway             // HTTP through the gateway
 )
 
 // String names the path as the bench prints it.
-func (p Path) String() string { return [...]string{"direct", "do", "gateway"}[p] }
+func (p Path) String() string { return [...]string{"direct", "commit", "do", "gateway"}[p] }
 
 // Stats are one path's figures: per-call latency percentiles and calls per
 // second with every agent calling at once.
@@ -62,20 +65,32 @@ type Stats struct {
 	Rate     float64
 }
 
-// Result holds the three paths' figures of one run.
-type Result [3]Stats
+// Result holds the paths' figures of one run.
+type Result [4]Stats
 
 // Bench is a local upstream and a gateway in front of it, over a ledger in
 // db. Close it when done.
 type Bench struct {
+	db     *pgxpool.Pool
 	up, gw *httptest.Server
 	hc     *http.Client
 	caller *ledger.Caller
 	seq    atomic.Int64
 }
 
-// New starts the upstream (which answers 201 to every POST) and the gateway.
+// sqlFloor is the Commit path's record: one row, one durable commit, the
+// least a ledger can write before a request leaves.
+const (
+	sqlFloorTable = `CREATE TABLE IF NOT EXISTS bench_floor (id bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY, key text NOT NULL)`
+	sqlFloor      = `INSERT INTO bench_floor (key) VALUES ($1)`
+)
+
+// New starts the upstream (which answers 201 to every POST) and the gateway,
+// and creates the Commit path's table in db's current schema.
 func New(db *pgxpool.Pool) (*Bench, error) {
+	if _, err := db.Exec(context.Background(), sqlFloorTable); err != nil {
+		return nil, fmt.Errorf("benchgw: create the floor's table: %w", err)
+	}
 	up := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		_, _ = io.Copy(io.Discard, r.Body)
 		w.Header().Set("Content-Type", "application/json")
@@ -95,7 +110,7 @@ func New(db *pgxpool.Pool) (*Bench, error) {
 		return nil, err
 	}
 	hc := &http.Client{Transport: &http.Transport{MaxIdleConnsPerHost: 64}}
-	return &Bench{up: up, gw: httptest.NewServer(gateway.New(client, cfg, gateway.Options{})), hc: hc,
+	return &Bench{db: db, up: up, gw: httptest.NewServer(gateway.New(client, cfg, gateway.Options{})), hc: hc,
 		caller: &ledger.Caller{Ledger: client, HTTP: hc}}, nil
 }
 
@@ -121,6 +136,11 @@ func (b *Bench) call(ctx context.Context, via Path) error {
 		return err
 	}
 	req.Header.Set("Content-Type", "application/json")
+	if via == Commit {
+		if _, err := b.db.Exec(ctx, sqlFloor, key); err != nil {
+			return fmt.Errorf("commit: %w", err)
+		}
+	}
 	if via == Do {
 		_, err := b.caller.Do(ctx, ledger.Intent{IdempotencyKey: key, Operation: "articles.create",
 			Dependency: "blog-api", Payload: []byte(body)}, req)
@@ -145,7 +165,7 @@ func (b *Bench) call(ctx context.Context, via Path) error {
 // Warm makes n calls on each path (connections, prepared statements).
 func (b *Bench) Warm(ctx context.Context, n int) error {
 	for range n {
-		for _, via := range []Path{Direct, Do, Gateway} {
+		for via := range Gateway + 1 {
 			if err := b.call(ctx, via); err != nil {
 				return fmt.Errorf("warm-up: %w", err)
 			}
@@ -159,7 +179,7 @@ func (b *Bench) Warm(ctx context.Context, n int) error {
 // measured one after the other would each see a different load, and the
 // difference of their percentiles would measure the drift. Taking turns in
 // small rounds, in a rotating order, spreads whatever load there is over
-// the three paths alike.
+// the paths alike.
 const rounds = 20
 
 // Run makes n calls on each path with agents calling at once. The paths
@@ -169,12 +189,11 @@ const rounds = 20
 // time its rounds took.
 func (b *Bench) Run(ctx context.Context, agents, n int) (Result, error) {
 	per := max((n+rounds-1)/rounds, 5*agents)
-	lat := [3][]time.Duration{}
-	var took [3]time.Duration
-	paths := []Path{Direct, Do, Gateway}
+	var lat [len(Result{})][]time.Duration
+	var took [len(Result{})]time.Duration
 	for round := 0; len(lat[Gateway]) < n; round++ {
-		for i := range paths {
-			via := paths[(round+i)%len(paths)]
+		for i := range len(Result{}) {
+			via := Path((round + i) % len(Result{}))
 			k := min(per, n-len(lat[via]))
 			l, d, err := b.measure(ctx, via, agents, k)
 			if err != nil {
@@ -185,7 +204,7 @@ func (b *Bench) Run(ctx context.Context, agents, n int) (Result, error) {
 		}
 	}
 	var res Result
-	for via := range paths {
+	for via := range res {
 		l := lat[via]
 		slices.Sort(l)
 		at := func(p int) time.Duration { return l[min(len(l)-1, len(l)*p/100)] }
