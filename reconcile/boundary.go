@@ -4,9 +4,6 @@ import (
 	"crypto/sha256"
 	"encoding/hex"
 	"encoding/json"
-	"errors"
-
-	"github.com/jackc/pgx/v5/pgconn"
 
 	"github.com/receiptledger/reconciler/internal/sanitize"
 )
@@ -144,24 +141,4 @@ func markSanitized(ev json.RawMessage) json.RawMessage {
 		return json.RawMessage(`{"sanitized":true}`)
 	}
 	return j
-}
-
-// dataError reports whether err is the database refusing some row's data
-// rather than the statement or the connection failing: SQLSTATE class 22
-// (data exception: invalid UTF-8, a bad jsonb escape, a numeric overflow),
-// 23 (integrity constraint violation), 54 (program limit exceeded: an index
-// row too large), or the schema's own refusals (class RL: a trigger refusing
-// one row's transition). Such an error is one row's, and retrying the same
-// batch would fail it again: the batch is split so that the other rows are
-// written.
-func dataError(err error) bool {
-	var pe *pgconn.PgError
-	if !errors.As(err, &pe) || len(pe.Code) < 2 {
-		return false
-	}
-	switch pe.Code[:2] {
-	case "22", "23", "54", "RL":
-		return true
-	}
-	return false
 }

@@ -24,6 +24,11 @@ type Metrics struct {
 	OldestUnknown prometheus.Gauge
 	Breaker       *prometheus.GaugeVec // dependency, state
 	DBErrors      prometheus.Counter
+	// WritesRefused counts rows (outcomes, checks) the database refused
+	// permanently, by statement and SQLSTATE class; WritesBlocked is 1
+	// while it refuses a statement as such (Pool.WritesRefused).
+	WritesRefused *prometheus.CounterVec // statement, sqlstate_class
+	WritesBlocked prometheus.Gauge
 	// ClockSkew is the host's wall clock minus the database's.
 	ClockSkew prometheus.Gauge
 	// ControlOK is 1 while a positive control of an adapter holds for an
@@ -66,7 +71,7 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 		}),
 		Refused: prometheus.NewCounter(prometheus.CounterOpts{
 			Name: "reconciler_outcomes_refused_total",
-			Help: "Outcomes the database refused even in their minimal form; the rows were released with a check error (also counted in reconciler_rescheduled_total), not settled.",
+			Help: "Outcomes the database refused even in their minimal form: not settled; their rows were released with their next check pushed (also counted in reconciler_rescheduled_total) or, if even that was refused, left to their lease's expiry.",
 		}),
 		Claimed: prometheus.NewCounter(prometheus.CounterOpts{
 			Name: "reconciler_claimed_total",
@@ -100,6 +105,14 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 			Name: "reconciler_database_errors_total",
 			Help: "Failed claim, complete or sweep statements (retried).",
 		}),
+		WritesRefused: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "reconciler_writes_refused_total",
+			Help: "Rows the database refused permanently (not retried: a missing privilege, the schema, a trigger, the row's data), by statement (complete, record checks) and SQLSTATE class (42 privilege or schema, 22 data, 23 integrity, RL the ledger's triggers, P0 a trigger's RAISE). Each is logged at ERROR with its receipt, its verdict and a hint.",
+		}, []string{"statement", "sqlstate_class"}),
+		WritesBlocked: prometheus.NewGauge(prometheus.GaugeOpts{
+			Name: "reconciler_writes_blocked",
+			Help: "1 while the database refuses one of the reconciler's statements as such (every row of a batch refused for a privilege or the schema, or the claim refused): claims back off to one row per pause and /readyz answers 503; 0 once a write goes through.",
+		}),
 		ClockSkew: prometheus.NewGauge(prometheus.GaugeOpts{
 			Name: "reconciler_clock_skew_seconds",
 			Help: "This host's wall clock minus the database's clock, as last measured (the reconciler uses the database's clock; beyond ±1 s it also logs a warning).",
@@ -112,7 +125,7 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 	if reg != nil {
 		reg.MustRegister(m.Settlements, m.Checks, m.CheckLatency, m.Failures, m.Deferrals,
 			m.Rescheduled, m.LeaseLost, m.Refused, m.Claimed, m.Orphans, m.Duplicates, m.Backlog,
-			m.StalePlanned, m.OldestUnknown, m.Breaker, m.DBErrors, m.ClockSkew, m.ControlOK)
+			m.StalePlanned, m.OldestUnknown, m.Breaker, m.DBErrors, m.WritesRefused, m.WritesBlocked, m.ClockSkew, m.ControlOK)
 	}
 	return m
 }

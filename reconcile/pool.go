@@ -223,6 +223,9 @@ type Pool struct {
 	// caller injected Now.
 	clock *dbclock.Clock
 	ctl   controls
+	// refusals are the statements the database refuses as such (a
+	// privilege, the schema): claims back off while complete is one.
+	refusals refusals
 
 	skewMu     sync.Mutex
 	skewWarned time.Time
@@ -246,13 +249,17 @@ func New(db *pgxpool.Pool, cfg Config) (*Pool, error) {
 		}
 		cfg.Now = clock.Now
 	}
-	return &Pool{
+	p := &Pool{
 		cfg: cfg, db: db, store: store,
 		dec:   decider{int63n: cfg.Int63n, sched: cfg.Schedule},
 		log:   cfg.Logger.With("instance", cfg.Instance),
 		m:     cfg.Metrics,
 		clock: clock,
-	}, nil
+	}
+	if cfg.Metrics != nil {
+		p.refusals.gauge = cfg.Metrics.WritesBlocked
+	}
+	return p, nil
 }
 
 // Now returns the pool's current time: the database's clock (a lower
@@ -311,8 +318,10 @@ type Summary struct {
 	// Waiting counts rows released to wait for a later check (including
 	// deferrals, rows released at shutdown, and Refused).
 	Waiting int
-	// Refused counts outcomes the database refused even in their minimal
-	// form: their rows were released with a check error, not settled.
+	// Refused counts outcomes the database refused permanently even in
+	// their minimal form: not settled; their rows were released with their
+	// next check pushed (counted in Waiting too) or, if even that was
+	// refused, left to their lease's expiry. Each is logged at ERROR.
 	Refused int
 	// Deferred counts checks the Gate refused (rescheduled).
 	Deferred int
@@ -551,6 +560,25 @@ func (s *session) claimLoop(once bool, wake <-chan struct{}) error {
 			continue
 		}
 		limit := int(max(1, min(room, need, int64(cfg.BatchSize))))
+		if pause, refused := p.refusedPause(); refused {
+			// The database refuses every outcome as such (a privilege,
+			// the schema): claiming more would only read the APIs for
+			// outcomes that cannot be written. A drain ends; a run probes
+			// with one row at a time, after a growing pause, until an
+			// outcome goes through.
+			if once {
+				return p.WritesRefused()
+			}
+			if s.inflight.Load() > 0 {
+				s.waitSpace()
+				continue
+			}
+			s.sleep(pause)
+			if s.stop.Err() != nil {
+				break
+			}
+			limit = 1
+		}
 		now := cfg.Now()
 		dueBy := now
 		if once {
@@ -569,6 +597,9 @@ func (s *session) claimLoop(once bool, wake <-chan struct{}) error {
 				break
 			}
 			s.dbError("claim", err)
+			if classifyDB(err) == dbStatementRefused {
+				p.refusals.note("claim", err)
+			}
 			dbFailures++
 			if once && dbFailures >= 3 {
 				return err
@@ -577,6 +608,7 @@ func (s *session) claimLoop(once bool, wake <-chan struct{}) error {
 			continue
 		}
 		dbFailures = 0
+		p.refusals.clear("claim")
 		if len(rows) > 0 {
 			s.hold(rows)
 			s.inflight.Add(int64(len(rows)))
@@ -762,6 +794,16 @@ func (s *session) signalSpace() {
 func (s *session) waitSpace() {
 	select {
 	case <-s.space:
+	case <-s.stop.Done():
+	}
+}
+
+// sleep waits d or the stop: nothing else shortens it.
+func (s *session) sleep(d time.Duration) {
+	t := time.NewTimer(d)
+	defer t.Stop()
+	select {
+	case <-t.C:
 	case <-s.stop.Done():
 	}
 }
@@ -977,7 +1019,11 @@ func (s *session) complete() {
 // min(5s, PollInterval), until the database answers or the grace period of
 // a stop ends. Every attempt after the first is told so (again): it may
 // follow an attempt that committed without our hearing of it. Each attempt
-// outlives the stop signal, bounded by its own timeout.
+// outlives the stop signal, bounded by its own timeout. A permanent refusal
+// (permanentDB: a privilege, the schema, a row's data) is returned at once:
+// retrying the same statement cannot change it, and keeping it would hold
+// its rows, and the claims behind them, forever. The writes handle their
+// rows' refusals themselves; this is the net under them.
 func (s *session) persist(what string, rows int, write func(ctx context.Context, again bool) error) error {
 	p := s.p
 	retry := backoff.NewExponentialBackOff()
@@ -987,7 +1033,11 @@ func (s *session) persist(what string, rows int, write func(ctx context.Context,
 		ctx, cancel := context.WithTimeout(context.WithoutCancel(s.stop), 30*time.Second)
 		defer cancel()
 		attempt++
-		return write(ctx, attempt > 1)
+		err := write(ctx, attempt > 1)
+		if err != nil && permanentDB(err) {
+			return backoff.Permanent(err)
+		}
+		return err
 	}
 	err := backoff.RetryNotify(try, backoff.WithMaxRetries(retry, 2),
 		func(err error, _ time.Duration) { s.dbError(what, err) })
@@ -995,6 +1045,9 @@ func (s *session) persist(what string, rows int, write func(ctx context.Context,
 		return nil
 	}
 	s.dbError(what, err)
+	if permanentDB(err) {
+		return err
+	}
 	p.log.Warn("kept until the database answers", "statement", what, "rows", rows, "error", err)
 	keep := backoff.NewExponentialBackOff()
 	keep.InitialInterval = 500 * time.Millisecond
@@ -1004,6 +1057,8 @@ func (s *session) persist(what string, rows int, write func(ctx context.Context,
 		func(err error, _ time.Duration) { s.dbError(what, err) })
 	if err == nil {
 		p.log.Info("kept rows written", "statement", what, "rows", rows)
+	} else if permanentDB(err) {
+		s.dbError(what, err)
 	}
 	return err
 }
@@ -1043,15 +1098,20 @@ func (s *session) record() {
 		for i, c := range batch {
 			checks[i] = c.check
 		}
+		var refused error
 		err := s.persist("record checks", len(checks), func(ctx context.Context, again bool) error {
-			if again {
-				return s.p.store.RecordChecksAgain(ctx, checks)
-			}
-			return s.p.store.RecordChecks(ctx, checks)
+			var err error
+			refused, err = s.p.store.recordChecks(ctx, checks, again)
+			return err
 		})
-		if err != nil {
+		if err != nil && !permanentDB(err) {
 			s.p.log.Warn("checks not recorded at the end of the grace period; each is written with its outcome if that can be",
 				"rows", len(checks))
+		} else if err != nil {
+			refused = err
+		}
+		if refused != nil {
+			s.checksRefused(checks, refused)
 		}
 		for _, c := range batch {
 			close(c.done)
@@ -1067,6 +1127,12 @@ func (s *session) record() {
 // stop meanwhile). Only at the end of the grace period of a stop is a batch
 // that still cannot be written abandoned to its leases' expiry, which
 // re-offers its rows: checks are repeatable, settlements are guarded.
+//
+// A permanent refusal is not kept: the store writes every row it can and
+// gives up the refused ones (Store.complete), each logged at ERROR with its
+// verdict, so no evidence disappears unsaid. A batch refused whole for a
+// reason of the statement (a privilege, the schema) makes the claims back
+// off (Pool.WritesRefused) until a write goes through again.
 func (s *session) flush(batch []Outcome) {
 	p := s.p
 	for _, o := range batch {
@@ -1082,7 +1148,7 @@ func (s *session) flush(batch []Outcome) {
 		w, err = p.store.complete(ctx, batch, again)
 		return err
 	})
-	if err != nil {
+	if err != nil && !permanentDB(err) {
 		p.log.Warn("kept outcomes abandoned at the end of the grace period; their rows return when their leases expire",
 			"rows", len(batch))
 	}
@@ -1091,14 +1157,34 @@ func (s *session) flush(batch []Outcome) {
 	for _, id := range w.applied {
 		ok[id] = true
 	}
-	refused := make(map[int64]bool, len(w.released))
-	for _, id := range w.released {
-		refused[id] = true
-	}
 	var dueAt []time.Time
+	wrote := 0
+	var stmtRefusal error
 	s.mu.Lock()
 	for _, o := range batch {
+		r, refused := w.refused[o.ID]
+		if err != nil && permanentDB(err) {
+			r, refused = rowRefusal{cause: err, fate: fateHeld, last: err}, true
+		}
+		if refused {
+			s.refused(o, r)
+			if classifyDB(r.cause) == dbStatementRefused && r.fate != fateMinimal {
+				stmtRefusal = r.cause
+			}
+		}
 		switch {
+		case refused && r.fate != fateMinimal:
+			// Not settled: released to wait (or left to its lease).
+			s.summary.Refused++
+			if p.m != nil {
+				p.m.Refused.Inc()
+			}
+			if r.fate != fateHeld {
+				s.summary.Waiting++
+				if p.m != nil {
+					p.m.Rescheduled.Inc()
+				}
+			}
 		case err != nil:
 		case !ok[o.ID]:
 			s.summary.LeaseLost++
@@ -1106,21 +1192,8 @@ func (s *session) flush(batch []Outcome) {
 				p.m.LeaseLost.Inc()
 			}
 			p.log.Warn("outcome discarded: lease lost", "receipt_id", o.ID, "dependency", o.Dependency)
-		case refused[o.ID]:
-			// The database refused the outcome even in its minimal form:
-			// the row was released with a check error, not settled.
-			s.summary.Refused++
-			s.summary.Waiting++
-			if p.m != nil {
-				p.m.Refused.Inc()
-				p.m.Rescheduled.Inc()
-			}
-			p.log.Warn("outcome refused by the database; the row was released with a check error",
-				"receipt_id", o.ID, "dependency", o.Dependency, "outcome", string(o.To))
-			if !o.NextCheck.IsZero() {
-				dueAt = append(dueAt, o.NextCheck)
-			}
 		case o.Settles():
+			wrote++
 			s.summary.Settled[o.To]++
 			s.summary.Reasons[o.Detail.Reason]++
 			if len(o.Duplicates) > 1 {
@@ -1139,6 +1212,7 @@ func (s *session) flush(batch []Outcome) {
 			p.log.Info("receipt settled", "receipt_id", o.ID, "dependency", o.Dependency,
 				"state", string(o.To), "reason", o.Detail.Reason, "adapter", o.Adapter)
 		default:
+			wrote++
 			s.summary.Waiting++
 			if p.m != nil {
 				p.m.Rescheduled.Inc()
@@ -1149,10 +1223,85 @@ func (s *session) flush(batch []Outcome) {
 		}
 	}
 	s.mu.Unlock()
+	switch {
+	case wrote > 0:
+		p.refusals.clear("complete")
+	case stmtRefusal != nil:
+		p.refusals.note("complete", stmtRefusal)
+	}
 	// Run wakes when the first of these rows is due again.
 	s.noteDue(dueAt)
 	s.inflight.Add(-int64(len(batch)))
 	s.signalSpace()
+}
+
+// refused reports an outcome the database refused permanently: an ERROR
+// naming the receipt, the statement, the SQLSTATE, what to do, what became
+// of the row, and the verdict itself (the evidence the database did not
+// take is not dropped unsaid), and the count by statement and SQLSTATE
+// class. An outcome written without the API's text is a WARN: its verdict
+// stands.
+func (s *session) refused(o Outcome, r rowRefusal) {
+	p := s.p
+	if p.m != nil {
+		p.m.WritesRefused.WithLabelValues("complete", sqlStateClass(r.cause)).Inc()
+	}
+	args := []any{"receipt_id", o.ID, "dependency", o.Dependency, "statement", "complete",
+		"sqlstate", sqlState(r.cause), "error", refusal(r.cause), "hint", refusalHint(r.cause),
+		"fate", r.fate.String()}
+	if r.last != nil && r.last != r.cause {
+		args = append(args, "last_error", refusal(r.last))
+	}
+	args = append(args, verdictAttrs(o)...)
+	if r.fate == fateMinimal {
+		p.log.Warn("outcome refused by the database; written without the API's text", args...)
+		return
+	}
+	p.log.Error("outcome refused by the database", args...)
+}
+
+// checksRefused reports checks the recorder could not write even without
+// their evidence (the first refusal: cause): they are written with their
+// outcomes, or given up with them (refused).
+func (s *session) checksRefused(checks []ReceiptCheck, cause error) {
+	n := 0
+	for _, c := range checks {
+		if !c.Check.Recorded {
+			n++
+		}
+	}
+	if n == 0 {
+		return
+	}
+	if s.p.m != nil {
+		s.p.m.WritesRefused.WithLabelValues("record checks", sqlStateClass(cause)).Add(float64(n))
+	}
+	s.p.log.Warn("checks refused by the database; each is written with its outcome if that can be",
+		"statement", "record checks", "rows", n, "sqlstate", sqlState(cause), "error", refusal(cause),
+		"hint", refusalHint(cause))
+}
+
+// verdictAttrs are the log attributes of o's verdict: what it decided and
+// on what evidence (bounded, as the database would have stored it).
+func verdictAttrs(o Outcome) []any {
+	c := o.sanitized()
+	args := []any{"outcome", string(c.To), "reason", c.Detail.Reason, "adapter", c.Adapter}
+	if c.ExternalID != "" {
+		args = append(args, "external_id", c.ExternalID)
+	}
+	if e := c.Detail.Evidence; e != nil {
+		args = append(args, "verdict", e.Verdict, "authoritative", e.Authoritative, "matched", e.Matched)
+	}
+	if k := c.Check; k != nil {
+		args = append(args, "check_no", k.CheckNo, "check_at", k.At, "check_verdict", k.Verdict)
+		if k.Error != "" {
+			args = append(args, "check_error", k.Error)
+		}
+	}
+	if !c.NextCheck.IsZero() {
+		args = append(args, "next_check", c.NextCheck)
+	}
+	return args
 }
 
 // heldLease is a row in flight: its lease token and current expiry.

@@ -1,5 +1,7 @@
 package reconcile
 
+import "strconv"
+
 // Every statement the reconciler runs, in one place. Each per-row statement
 // was checked with EXPLAIN against a million receipts (docs/explain.md):
 // the claim walks the partial index receipts_due in next_check_at order, the
@@ -97,7 +99,7 @@ RETURNING r.id, r.idempotency_key, r.operation, r.dependency, r.method, r.target
 // $27: per outcome, whether its check failed transiently. $28: retry.
 // $29: per outcome, waits to add (Outcome.Waited: its check, if any, is
 // recorded but does not count: $7 is 0 for it).
-const sqlComplete = `
+var sqlComplete = `
 WITH u AS (
     SELECT * FROM unnest($1::bigint[], $2::text[], $3::text[], $4::jsonb[], $5::text[],
                          $6::timestamptz[], $7::int[], $27::bool[], $29::int[])
@@ -124,22 +126,7 @@ WITH u AS (
           SELECT FROM reconciler.late_outcomes l WHERE l.receipt_id = r.id AND l.outcome = 'succeeded'))
     RETURNING r.id
 ), c AS (
-    INSERT INTO reconciler.readback_checks
-        (receipt_id, check_no, at, adapter, dependency, verdict, authoritative, matches,
-         latency_us, error_class, error, evidence, instance)
-    SELECT x.*, $21 FROM unnest($9::bigint[], $10::int[], $11::timestamptz[], $12::text[],
-                                $13::text[], $14::text[], $15::bool[], $16::int[], $17::bigint[],
-                                $18::text[], $19::text[], $20::jsonb[])
-        AS x(receipt_id, check_no, at, adapter, dependency, verdict, authoritative, matches,
-             latency_us, error_class, error, evidence)
-    -- OFFSET 0 keeps the test a per-row probe of readback_checks' primary
-    -- key: the planner would otherwise hash the whole table while it is
-    -- small (docs/explain.md).
-    WHERE NOT EXISTS (
-        SELECT 1 FROM reconciler.readback_checks k
-        WHERE k.receipt_id = x.receipt_id AND k.check_no = x.check_no AND k.at = x.at
-          AND k.instance = $21
-        OFFSET 0)
+    ` + sqlInsertCheckArrays(9, "", "") + `
 ), d AS (
     INSERT INTO reconciler.duplicate_alarms
         (receipt_id, detected_at, adapter, dependency, external_ids, instance)
@@ -177,33 +164,63 @@ WHERE $28::bool AND r.id = ANY ($1::bigint[]) AND r.id NOT IN (SELECT id FROM s)
 // $1 receipt id, $2 check_no, $3 at, $4 adapter, $5 dependency, $6 verdict,
 // $7 authoritative, $8 matches, $9 latency_us, $10 error_class, $11 error,
 // $12 evidence, $13 instance, $14 retry.
-const sqlRecordChecks = `
-INSERT INTO reconciler.readback_checks
-    (receipt_id, check_no, at, adapter, dependency, verdict, authoritative, matches,
-     latency_us, error_class, error, evidence, instance)
-SELECT x.*, $13 FROM unnest($1::bigint[], $2::int[], $3::timestamptz[], $4::text[],
-                            $5::text[], $6::text[], $7::bool[], $8::int[], $9::bigint[],
-                            $10::text[], $11::text[], $12::jsonb[])
-    AS x(receipt_id, check_no, at, adapter, dependency, verdict, authoritative, matches,
-         latency_us, error_class, error, evidence),
-    (SELECT set_config('synchronous_commit', 'off', true)) AS async
-WHERE NOT $14::bool OR NOT EXISTS (
-    SELECT 1 FROM reconciler.readback_checks k
-    WHERE k.receipt_id = x.receipt_id AND k.check_no = x.check_no AND k.at = x.at
-      AND k.instance = $13
-    OFFSET 0)`
+var sqlRecordChecks = sqlInsertCheckArrays(1, `
+        (SELECT set_config('synchronous_commit', 'off', true)) AS async`, "$14::bool") + "\n"
+
+// sqlInsertChecksInto heads every insert of readback checks: the table and
+// its columns, in the order the statements select them.
+const sqlInsertChecksInto = `INSERT INTO reconciler.readback_checks
+        (receipt_id, check_no, at, adapter, dependency, verdict, authoritative, matches,
+         latency_us, error_class, error, evidence, instance)`
+
+// sqlInsertCheckArrays is the insert of readback checks given as one array
+// per column (checkRows), shared by sqlComplete and sqlRecordChecks: the
+// twelve arrays are parameters $first to $first+11 (receipt id, check_no,
+// at, adapter, dependency, verdict, authoritative, matches, latency_us,
+// error_class, error, evidence), the instance $first+12.
+//
+// A check is inserted only if the same check (receipt, check_no, at,
+// instance: its token) is not recorded yet: a per-row probe of
+// readback_checks' primary key. OFFSET 0 keeps it a probe: the planner
+// would otherwise hash the whole table while it is small (docs/explain.md).
+// With probeIf (a boolean parameter) the probe is made only when it holds
+// (a first write of fresh checks need not look); without it, always.
+// alsoFrom, if set, is one more FROM item, joined once (a set_config).
+func sqlInsertCheckArrays(first int, alsoFrom, probeIf string) string {
+	p := func(i int) string { return "$" + strconv.Itoa(first+i) }
+	from := `SELECT x.*, ` + p(12) + ` FROM unnest(` + p(0) + `::bigint[], ` + p(1) + `::int[], ` + p(2) + `::timestamptz[], ` + p(3) + `::text[],
+                                ` + p(4) + `::text[], ` + p(5) + `::text[], ` + p(6) + `::bool[], ` + p(7) + `::int[], ` + p(8) + `::bigint[],
+                                ` + p(9) + `::text[], ` + p(10) + `::text[], ` + p(11) + `::jsonb[])
+        AS x(receipt_id, check_no, at, adapter, dependency, verdict, authoritative, matches,
+             latency_us, error_class, error, evidence)`
+	where := `
+    WHERE `
+	if alsoFrom != "" {
+		from += "," + alsoFrom
+	}
+	if probeIf != "" {
+		where += `NOT ` + probeIf + ` OR `
+	}
+	return sqlInsertChecksInto + `
+    ` + from + where + `NOT EXISTS (
+        SELECT 1 FROM reconciler.readback_checks k
+        WHERE k.receipt_id = x.receipt_id AND k.check_no = x.check_no AND k.at = x.at
+          AND k.instance = ` + p(12) + `
+        OFFSET 0)`
+}
 
 // sqlReleaseRefused releases a leased row whose outcome the database
 // refused even in its minimal form, recording a check error so that
 // check_count grows and the bounds eventually settle the row (issue 8). It
 // does not count as a transient failure of the dependency (the dependency's
-// retry budget is not spent on it). $1 id, $2 lease token, $3 next check
-// (NULL: $8 seconds from the database's clock), $4 the check's time (NULL:
-// the database's clock), $5 adapter, $6 error, $7 instance.
+// retry budget is not spent on it). $1 id, $2 lease token, $3 the
+// outcome's next check, $4 the check's time (NULL: the database's clock),
+// $5 the least wait in seconds (sqlRefusedNextCheck), $6 adapter, $7 error,
+// $8 instance.
 const sqlReleaseRefused = `
 WITH r AS (
     UPDATE reconciler.receipts r
-    SET next_check_at = coalesce($3::timestamptz, clock_timestamp() + make_interval(secs => $8::float8)),
+    SET next_check_at = ` + sqlRefusedNextCheck + `,
         lease_owner = NULL,
         lease_expires_at = NULL,
         check_count = r.check_count + 1,
@@ -211,14 +228,32 @@ WITH r AS (
     WHERE r.id = $1 AND r.state = 'reconciling' AND r.lease_owner = $2
     RETURNING r.id, r.check_count, r.dependency
 ), c AS (
-    INSERT INTO reconciler.readback_checks
-        (receipt_id, check_no, at, adapter, dependency, verdict, authoritative, matches,
-         latency_us, error_class, error, evidence, instance)
-    SELECT r.id, r.check_count, coalesce($4::timestamptz, clock_timestamp()), $5, r.dependency,
-           'error', false, 0, 0, 'transient', $6, '{"sanitized": true}'::jsonb, $7
+    ` + sqlInsertChecksInto + `
+    SELECT r.id, r.check_count, coalesce($4::timestamptz, clock_timestamp()), $6, r.dependency,
+           'error', false, 0, 0, 'transient', $7, '{"sanitized": true}'::jsonb, $8
     FROM r
 )
 SELECT id FROM r`
+
+// sqlReleaseBare releases a leased row whose outcome, and even a check
+// error, the database refused (a role without INSERT on readback_checks):
+// it writes only what a claim writes, the lease and the next check. $1 id,
+// $2 lease token, $3 to $5 as in sqlReleaseRefused.
+const sqlReleaseBare = `
+UPDATE reconciler.receipts r
+SET next_check_at = ` + sqlRefusedNextCheck + `,
+    lease_owner = NULL,
+    lease_expires_at = NULL
+WHERE r.id = $1 AND r.state = 'reconciling' AND r.lease_owner = $2
+RETURNING r.id`
+
+// sqlRefusedNextCheck is the next check of a row whose outcome was
+// refused: the outcome's own ($3), but no earlier than $5 seconds after the
+// check ($4, else the database's clock), so that a refusal, which checking
+// again at once cannot cure, never brings the row back in a hot loop.
+// greatest ignores a NULL $3.
+const sqlRefusedNextCheck = `greatest($3::timestamptz,
+        coalesce($4::timestamptz, clock_timestamp()) + make_interval(secs => $5::float8))`
 
 // sqlSweepOrphans moves submitted receipts with no transition since $3 to
 // outcome_unknown, at most $4 per statement (the orphan sweep of SPEC §3).

@@ -12,10 +12,8 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
-	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 
-	"github.com/receiptledger/reconciler/internal/sanitize"
 	"github.com/receiptledger/reconciler/readback"
 	"github.com/receiptledger/reconciler/statemachine"
 )
@@ -252,70 +250,81 @@ type ReceiptCheck struct {
 // Recorded. The pool records every check as soon as its adapter answers, so
 // a read made by a process that dies before it settles is still in the
 // audit trail; the settlement that follows does not record it again. A
-// check the database refuses for its data alone is recorded without its
-// evidence and error text; one refused even so is left unrecorded (Complete
-// then handles it with its outcome).
+// check the database refuses permanently (its data, a privilege) is
+// recorded without its evidence and error text; one refused even so is
+// left unrecorded, with no error (Complete then handles it with its
+// outcome). An error means the database did not answer (transient).
 func (s *Store) RecordChecks(ctx context.Context, checks []ReceiptCheck) error {
-	return s.recordChecks(ctx, checks, false)
+	_, err := s.recordChecks(ctx, checks, false)
+	return err
 }
 
 // RecordChecksAgain repeats a RecordChecks whose commit is unknown (the
 // connection broke after COMMIT was sent): a check already recorded is not
 // recorded again.
 func (s *Store) RecordChecksAgain(ctx context.Context, checks []ReceiptCheck) error {
-	return s.recordChecks(ctx, checks, true)
+	_, err := s.recordChecks(ctx, checks, true)
+	return err
 }
 
-func (s *Store) recordChecks(ctx context.Context, checks []ReceiptCheck, retry bool) error {
+// recordChecks is RecordChecks (or, with retry, RecordChecksAgain), which
+// also returns the first refusal of a check left unrecorded.
+func (s *Store) recordChecks(ctx context.Context, checks []ReceiptCheck, retry bool) (refused, err error) {
 	if len(checks) == 0 {
-		return nil
+		return nil, nil
 	}
 	clean := make([]ReceiptCheck, len(checks))
 	for i, c := range checks {
 		r := c.Check.sanitized()
 		clean[i] = ReceiptCheck{ReceiptID: c.ReceiptID, Check: &r}
 	}
-	ok, err := s.recordSplit(ctx, clean, retry)
+	ok, refused, err := s.recordSplit(ctx, clean, retry)
 	for i, c := range checks {
 		if ok[i] {
 			c.Check.Recorded = true
 		}
 	}
-	return err
+	return refused, err
 }
 
 // recordSplit writes checks in one statement and reports which were
-// written. On a data error it splits the batch in halves, down to single
-// checks, each then written minimally (no evidence, no error text), as
-// complete does with outcomes.
-func (s *Store) recordSplit(ctx context.Context, checks []ReceiptCheck, retry bool) ([]bool, error) {
-	ok := make([]bool, len(checks))
-	err := s.insertChecks(ctx, checks, retry)
+// written. On a permanent refusal (permanentDB) it splits the batch in
+// halves, down to single checks, each then written minimally (no evidence,
+// no error text), as complete does with outcomes; a check refused even so
+// is left unrecorded (its outcome's write records it, or gives it up), and
+// the first such refusal is returned as refused. Only a transient failure
+// is returned as err.
+func (s *Store) recordSplit(ctx context.Context, checks []ReceiptCheck, retry bool) (ok []bool, refused, err error) {
+	ok = make([]bool, len(checks))
+	err = s.insertChecks(ctx, checks, retry)
 	if err == nil {
 		for i := range ok {
 			ok[i] = true
 		}
-		return ok, nil
+		return ok, nil, nil
 	}
-	if !dataError(err) || ctx.Err() != nil {
-		return ok, err
+	if !permanentDB(err) || ctx.Err() != nil {
+		return ok, nil, err
 	}
 	if len(checks) == 1 {
 		r := checks[0].Check.minimal(refusal(err))
-		err := s.insertChecks(ctx, []ReceiptCheck{{ReceiptID: checks[0].ReceiptID, Check: &r}}, retry)
-		if err != nil && dataError(err) {
-			return ok, nil
+		merr := s.insertChecks(ctx, []ReceiptCheck{{ReceiptID: checks[0].ReceiptID, Check: &r}}, retry)
+		if merr != nil && permanentDB(merr) {
+			return ok, err, nil
 		}
-		ok[0] = err == nil
-		return ok, err
+		ok[0] = merr == nil
+		return ok, nil, merr
 	}
 	half := len(checks) / 2
-	a, err := s.recordSplit(ctx, checks[:half], retry)
+	a, refused, err := s.recordSplit(ctx, checks[:half], retry)
 	if err != nil {
-		return append(a, make([]bool, len(checks)-half)...), err
+		return append(a, make([]bool, len(checks)-half)...), refused, err
 	}
-	b, err := s.recordSplit(ctx, checks[half:], retry)
-	return append(a, b...), err
+	b, refusedB, err := s.recordSplit(ctx, checks[half:], retry)
+	if refused == nil {
+		refused = refusedB
+	}
+	return append(a, b...), refused, err
 }
 
 // insertChecks appends checks (already sanitized) in one statement.
@@ -381,27 +390,80 @@ func (s *Store) CompleteAgain(ctx context.Context, outcomes []Outcome) (applied 
 	return w.applied, err
 }
 
-// written is what a write of outcomes did: the ids whose lease held, and
-// among them the ids whose outcome the database refused even minimally and
-// that were released instead (writeRefused): not settled, whatever their
-// outcome said.
+// written is what a write of outcomes did: the ids whose outcome (or,
+// for a refused one, what could be written in its place) was applied under
+// the claim's lease, and the rows the database refused permanently, with
+// what became of each.
 type written struct {
-	applied  []int64
-	released []int64
+	applied []int64
+	refused map[int64]rowRefusal
 }
 
 func (w *written) add(o written) {
 	w.applied = append(w.applied, o.applied...)
-	w.released = append(w.released, o.released...)
+	for id, r := range o.refused {
+		w.refuse(id, r)
+	}
+}
+
+func (w *written) refuse(id int64, r rowRefusal) {
+	if w.refused == nil {
+		w.refused = map[int64]rowRefusal{}
+	}
+	w.refused[id] = r
+}
+
+// rowRefusal is a row whose outcome the database refused permanently: the
+// refusal of its full outcome (cause) and what was written instead (fate).
+type rowRefusal struct {
+	cause error
+	fate  refusedFate
+	// last is the refusal that ended the fallbacks (fateHeld).
+	last error
+}
+
+// refusedFate is what became of a row whose outcome was refused, from the
+// best to the worst.
+type refusedFate int
+
+const (
+	// fateMinimal: the same outcome was written without the API's text
+	// (evidence and error message): applied, settled or released as decided.
+	fateMinimal refusedFate = iota + 1
+	// fateCheckError: released with a check error recorded, next check
+	// pushed (WriteRefusedRetry); check_count grows, so the bounds end it.
+	fateCheckError
+	// fateReleased: only the lease was released and the next check pushed
+	// (WriteRefusedRetry at least); the check's record was refused too.
+	fateReleased
+	// fateHeld: nothing could be written; the row stays leased until its
+	// lease expires (the pool stops renewing it), then is claimable again.
+	fateHeld
+)
+
+// String describes the fate for logs.
+func (f refusedFate) String() string {
+	switch f {
+	case fateMinimal:
+		return "written without the API's text"
+	case fateCheckError:
+		return "not settled: released with a check error, next check pushed"
+	case fateReleased:
+		return "not settled: released, next check pushed; its check is not recorded"
+	case fateHeld:
+		return "not settled: nothing could be written; the row returns when its lease expires"
+	}
+	return "unknown"
 }
 
 // complete writes outcomes, each sanitized first (text from an API made
 // valid, bounded and marked: outcome.sanitized), in one statement. If the
-// database refuses the batch for one row's data (dataError), the batch is
-// split in halves, down to single rows, so every other row is written; a
-// row refused on its own is written minimally (writeRefused), so it never
-// stays leased and failing forever. The split costs nothing unless a batch
-// fails.
+// database refuses the batch permanently (permanentDB: one row's data, a
+// trigger's refusal, a missing privilege), the batch is split in halves,
+// down to single rows, so every row that can be written is; a row refused
+// on its own is given up (writeRefused), so it never stays leased and
+// failing forever. The split costs nothing unless a batch fails. Only a
+// transient failure is returned as an error (the caller keeps the batch).
 func (s *Store) complete(ctx context.Context, outcomes []Outcome, retry bool) (written, error) {
 	if len(outcomes) == 0 {
 		return written{}, nil
@@ -414,10 +476,10 @@ func (s *Store) complete(ctx context.Context, outcomes []Outcome, retry bool) (w
 }
 
 // completeSplit writes outcomes in one statement, splitting the batch on a
-// data error (see complete).
+// permanent refusal (see complete).
 func (s *Store) completeSplit(ctx context.Context, outcomes []Outcome, retry bool) (written, error) {
 	applied, err := s.write(ctx, outcomes, retry)
-	if err == nil || !dataError(err) || ctx.Err() != nil {
+	if err == nil || !permanentDB(err) || ctx.Err() != nil {
 		return written{applied: applied}, err
 	}
 	if len(outcomes) == 1 {
@@ -434,17 +496,25 @@ func (s *Store) completeSplit(ctx context.Context, outcomes []Outcome, retry boo
 }
 
 // WriteRefusedRetry is how long a row whose outcome the database refused
-// waits before its next check when the outcome named no time of its own.
+// waits, at least, before its next check: a refusal is not cured by
+// checking again at once, and the row must not come back in a hot loop.
 const WriteRefusedRetry = time.Minute
 
-// writeRefused writes, for a row whose outcome the database refused on its
-// own (cause), a minimal outcome built only from the reconciler's own data:
-// the same settlement or release with its evidence replaced by a minimal
-// one recording the refusal, and its check without evidence. If that is
-// refused too, the row is released with a check error recorded, so its
-// check_count grows and the bounds (max_checks, deadline) eventually settle
-// it to manual_review. A row refused even so is left to its lease's expiry
-// (not returned as applied).
+// writeRefused gives up, for a row whose outcome the database refused on
+// its own (cause), as little as it can, in order:
+//
+//  1. the same outcome built only from the reconciler's own data (its
+//     evidence replaced by a minimal one recording the refusal, its check
+//     without evidence): the verdict stands;
+//  2. a release with a check error recorded, so check_count grows and the
+//     bounds (max_checks, deadline) eventually settle it to manual_review;
+//  3. a bare release (lease and next check, nothing else: what a claim
+//     writes), for when even a check record is refused (a missing
+//     privilege on readback_checks);
+//  4. nothing: the row is left to its lease's expiry.
+//
+// Steps 2 and 3 push the next check WriteRefusedRetry ahead at least. A
+// transient failure at any step is returned (the batch is kept and retried).
 func (s *Store) writeRefused(ctx context.Context, o Outcome, cause error, retry bool) (written, error) {
 	why := refusal(cause)
 	minimal := Outcome{ID: o.ID, Lease: o.Lease, To: o.To, NextCheck: o.NextCheck,
@@ -466,46 +536,49 @@ func (s *Store) writeRefused(ctx context.Context, o Outcome, cause error, retry 
 		r := c.minimal(why)
 		minimal.Check = &r
 	}
+	given := func(applied []int64, fate refusedFate, last error) written {
+		w := written{applied: applied}
+		if len(applied) > 0 || fate == fateHeld {
+			w.refuse(o.ID, rowRefusal{cause: cause, fate: fate, last: last})
+		}
+		return w
+	}
 	applied, err := s.write(ctx, []Outcome{minimal}, retry)
-	if err == nil || !dataError(err) {
-		return written{applied: applied}, err
+	if err == nil || !permanentDB(err) {
+		return given(applied, fateMinimal, nil), err
 	}
-	var next *time.Time
-	switch {
-	case !o.NextCheck.IsZero():
+	var next, at *time.Time
+	if !o.NextCheck.IsZero() {
 		next = &o.NextCheck
-	case o.Check != nil:
-		t := o.Check.At.Add(WriteRefusedRetry)
-		next = &t
 	}
-	var at *time.Time
 	if o.Check != nil {
 		at = &o.Check.At
 	}
-	rows, err := s.pool.Query(ctx, sqlReleaseRefused, o.ID, o.Lease, next, at, o.Adapter,
-		"outcome refused by the database: "+why, s.instance, WriteRefusedRetry.Seconds())
-	if err != nil {
-		return written{}, fmt.Errorf("reconcile: release receipt %d after its outcome was refused: %w", o.ID, err)
+	wait := WriteRefusedRetry.Seconds()
+	applied, err = s.release(ctx, sqlReleaseRefused, o.ID, o.Lease, next, at, wait, o.Adapter,
+		"outcome refused by the database: "+why, s.instance)
+	if err == nil || !permanentDB(err) {
+		return given(applied, fateCheckError, nil), err
 	}
-	applied, err = pgx.CollectRows(rows, pgx.RowTo[int64])
-	if err != nil && dataError(err) {
-		return written{}, nil
+	applied, err = s.release(ctx, sqlReleaseBare, o.ID, o.Lease, next, at, wait)
+	if err == nil || !permanentDB(err) {
+		return given(applied, fateReleased, nil), err
 	}
-	if err != nil {
-		return written{}, fmt.Errorf("reconcile: release receipt %d after its outcome was refused: %w", o.ID, err)
-	}
-	return written{applied: applied, released: applied}, nil
+	return given(nil, fateHeld, err), nil
 }
 
-// refusal describes a database refusal in a bounded line of its own text.
-func refusal(err error) string {
-	var pe *pgconn.PgError
-	msg := err.Error()
-	if errors.As(err, &pe) {
-		msg = "SQLSTATE " + pe.Code + ": " + pe.Message
+// release runs one of the statements that release a refused row, and
+// returns the id if the row was still leased by the token.
+func (s *Store) release(ctx context.Context, sql string, id int64, args ...any) ([]int64, error) {
+	rows, err := s.pool.Query(ctx, sql, append([]any{id}, args...)...)
+	if err == nil {
+		var ids []int64
+		ids, err = pgx.CollectRows(rows, pgx.RowTo[int64])
+		if err == nil {
+			return ids, nil
+		}
 	}
-	out, _ := sanitize.Text(msg, 512)
-	return out
+	return nil, fmt.Errorf("reconcile: release receipt %d after its outcome was refused: %w", id, err)
 }
 
 // write applies outcomes (already sanitized) in one statement.

@@ -212,7 +212,7 @@ func runAction(c *cli.Context) error {
 	}
 
 	if addr := c.String("metrics-addr"); addr != "" {
-		srv, err := serveHTTP(addr, db, promReg, logger, pool.AdapterHealth)
+		srv, err := serveHTTP(addr, db, promReg, logger, pool.AdapterHealth, pool.WritesRefused)
 		if err != nil {
 			return cli.Exit(fmt.Sprintf("run: --metrics-addr: %v", err), 1)
 		}
@@ -488,9 +488,12 @@ type readiness struct {
 }
 
 // serveHTTP serves /metrics, /healthz (the process is alive) and /readyz
-// (the database answers and its schema is current; the body lists the
-// adapters whose positive control has not passed, from health).
-func serveHTTP(addr string, db *pgxpool.Pool, reg *prometheus.Registry, logger *slog.Logger, health func() []reconcile.AdapterHealth) (*http.Server, error) {
+// (the database answers, its schema is current, and it does not refuse
+// the reconciler's writes as such, from refused: a role without a grant;
+// the body lists the adapters whose positive control has not passed, from
+// health). health and refused may be nil.
+func serveHTTP(addr string, db *pgxpool.Pool, reg *prometheus.Registry, logger *slog.Logger,
+	health func() []reconcile.AdapterHealth, refused func() error) (*http.Server, error) {
 	mux := http.NewServeMux()
 	mux.Handle("GET /metrics", promhttp.HandlerFor(reg, promhttp.HandlerOpts{}))
 	mux.HandleFunc("GET /healthz", func(w http.ResponseWriter, _ *http.Request) {
@@ -506,6 +509,12 @@ func serveHTTP(addr string, db *pgxpool.Pool, reg *prometheus.Registry, logger *
 		if err := migrations.Check(ctx, db); err != nil {
 			http.Error(w, "database schema not current: "+err.Error(), http.StatusServiceUnavailable)
 			return
+		}
+		if refused != nil {
+			if err := refused(); err != nil {
+				http.Error(w, err.Error(), http.StatusServiceUnavailable)
+				return
+			}
 		}
 		body := readiness{Status: "ready", UnhealthyAdapters: []reconcile.AdapterHealth{}}
 		if health != nil {

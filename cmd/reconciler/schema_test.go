@@ -18,6 +18,7 @@ import (
 
 	"github.com/receiptledger/reconciler/internal/pgtest"
 	"github.com/receiptledger/reconciler/migrations"
+	"github.com/receiptledger/reconciler/reconcile"
 )
 
 // staticAdapters writes an adapters file whose one adapter reads back the
@@ -87,7 +88,7 @@ func TestUnmigratedDatabase(t *testing.T) {
 		strings.Contains(out, "applied 2") {
 		t.Errorf("migrate status: exit %d, stdout %q, stderr %q", code, out, errOut)
 	}
-	if body := readyz(t, url); !strings.Contains(body, "503") || !strings.Contains(body, "no reconciler schema") {
+	if body := readyz(t, url, nil); !strings.Contains(body, "503") || !strings.Contains(body, "no reconciler schema") {
 		t.Errorf("/readyz: %s", body)
 	}
 	if schemaExists(t, url) {
@@ -112,7 +113,7 @@ func TestSchemaBehind(t *testing.T) {
 		code, out, errOut := runCLI(t, "", args...)
 		wantOneLine(t, name, code, out, errOut, 1, "migration 00005_input_limits.sql is not applied", "reconciler migrate up --database-url")
 	}
-	if body := readyz(t, url); !strings.Contains(body, "503") || !strings.Contains(body, "00005_input_limits.sql") {
+	if body := readyz(t, url, nil); !strings.Contains(body, "503") || !strings.Contains(body, "00005_input_limits.sql") {
 		t.Errorf("/readyz: %s", body)
 	}
 	code, out, errOut := runCLI(t, "", "migrate", "--database-url", url, "status")
@@ -166,8 +167,9 @@ func regexpLine(out, pattern string) bool {
 	return false
 }
 
-// readyz serves /readyz on url's database and returns "<status> <body>".
-func readyz(t *testing.T, url string) string {
+// readyz serves /readyz on url's database, with refused as the pool's
+// WritesRefused, and returns "<status> <body>".
+func readyz(t *testing.T, url string, refused func() error) string {
 	t.Helper()
 	l, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
@@ -175,7 +177,7 @@ func readyz(t *testing.T, url string) string {
 	}
 	addr := l.Addr().String()
 	l.Close()
-	srv, err := serveHTTP(addr, pgtest.Pool(t, url), prometheus.NewRegistry(), slog.New(slog.NewTextHandler(io.Discard, nil)), nil)
+	srv, err := serveHTTP(addr, pgtest.Pool(t, url), prometheus.NewRegistry(), slog.New(slog.NewTextHandler(io.Discard, nil)), nil, refused)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -187,6 +189,21 @@ func readyz(t *testing.T, url string) string {
 	defer resp.Body.Close()
 	b, _ := io.ReadAll(resp.Body)
 	return fmt.Sprintf("%d %s", resp.StatusCode, b)
+}
+
+// A daemon whose writes the database refuses as such (its role lacks a
+// grant) is not ready, and says why; it is ready again once they go
+// through.
+func TestReadyzReportsRefusedWrites(t *testing.T) {
+	url := pgtest.NewDatabase(t)
+	refusal := fmt.Errorf("%w: complete, 3 times in a row: SQLSTATE 42501 (apply docs/roles.sql)", reconcile.ErrWritesRefused)
+	if body := readyz(t, url, func() error { return refusal }); !strings.HasPrefix(body, "503 ") ||
+		!strings.Contains(body, "42501") || !strings.Contains(body, "docs/roles.sql") {
+		t.Errorf("/readyz while writes are refused: %s", body)
+	}
+	if body := readyz(t, url, func() error { return nil }); !strings.HasPrefix(body, "200 ") {
+		t.Errorf("/readyz once writes go through: %s", body)
+	}
 }
 
 // Issue 10, item 8: the daemon's backlog gauges are right from the start,

@@ -1,0 +1,138 @@
+package integration
+
+import (
+	"bufio"
+	"context"
+	"encoding/json"
+	"fmt"
+	"log/slog"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/receiptledger/reconciler/internal/pgtest"
+	"github.com/receiptledger/reconciler/readback"
+	"github.com/receiptledger/reconciler/reconcile"
+)
+
+// A permanent refusal of one row (here a trigger's plain RAISE, SQLSTATE
+// P0001, for one receipt's settlement) used to be kept and retried forever:
+// the whole batch stayed leased, renewed by the heartbeat, and the claims
+// stopped behind it. Now the other rows of the batch settle, the refused
+// row is released (a check error recorded, its next check a minute away,
+// not in a hot loop), an ERROR names it with its SQLSTATE and verdict, the
+// refusal is counted, and the worker goes on claiming other rows.
+func TestRefusedRowDoesNotHoldItsBatch(t *testing.T) {
+	ctx := context.Background()
+	db := pgtest.NewPool(t)
+	ids := seed(t, db, 5, "things.create", "static-api", "outcome_unknown")
+	bad := ids[2]
+	if _, err := db.Exec(ctx, fmt.Sprintf(`
+		CREATE FUNCTION public.refuse_one() RETURNS trigger LANGUAGE plpgsql AS $$
+		BEGIN RAISE EXCEPTION 'receipt %% may not settle (test)', NEW.id; END $$;
+		CREATE TRIGGER refuse_one BEFORE UPDATE ON reconciler.receipts FOR EACH ROW
+		WHEN (NEW.state = 'succeeded' AND NEW.id = %d) EXECUTE FUNCTION public.refuse_one()`, bad)); err != nil {
+		t.Fatal(err)
+	}
+	present := readback.Binding{Name: "static", Kind: readback.Create, Dependency: "static-api", Policy: shortPolicy(),
+		Adapter: readback.Static{Verdict: readback.VerdictPresent, ExternalID: "thing-1", Authoritative: true}}
+	reg := prometheus.NewRegistry()
+	logs := &syncBuffer{}
+	clk := newClock()
+	pool := newPool(t, db, reconcile.Config{Instance: "refusing", Registry: registry(t, nil, shortPolicy(), present),
+		Now: clk.Now, Metrics: reconcile.NewMetrics(reg), PollInterval: 50 * time.Millisecond,
+		Logger: slog.New(slog.NewJSONHandler(logs, nil))})
+	stop := runPool(t, pool)
+
+	settled := func(ids []int64) bool {
+		for _, id := range ids {
+			if receipt(t, db, id).State != "succeeded" {
+				return false
+			}
+		}
+		return true
+	}
+	good := []int64{ids[0], ids[1], ids[3], ids[4]}
+	waitUntil(t, "the other rows settled and the refused one released", func() bool {
+		return settled(good) && receipt(t, db, bad).LeaseOwner == "" && receipt(t, db, bad).Checks == 1
+	})
+	var next time.Time
+	if err := db.QueryRow(ctx, `SELECT next_check_at FROM reconciler.receipts WHERE id = $1`, bad).Scan(&next); err != nil {
+		t.Fatal(err)
+	}
+	if r := receipt(t, db, bad); r.State != "reconciling" || next.Before(clk.Now().Add(reconcile.WriteRefusedRetry-time.Second)) {
+		t.Fatalf("refused receipt %+v, next check %s: want released, not settled, its next check a minute after its check (%s)",
+			r, next, clk.Now())
+	}
+
+	// The worker goes on claiming: rows that become due now settle (the
+	// clock moves past their creation, not to the refused row's next check).
+	more := seed(t, db, 3, "things.create", "static-api", "outcome_unknown")
+	clk.Advance(10 * time.Second)
+	waitUntil(t, "later rows settled", func() bool { return settled(more) })
+	if r := receipt(t, db, bad); r.Checks != 1 || r.LeaseOwner != "" {
+		t.Fatalf("refused receipt %+v: want it left alone until its next check", r)
+	}
+	if err := pool.WritesRefused(); err != nil {
+		t.Fatalf("one row's refusal blocks the worker: %v", err)
+	}
+	sum := stop()
+	if sum.Refused != 1 || total(sum.Settled) != 7 || sum.LeaseLost != 0 {
+		t.Fatalf("summary %+v, want 7 settled, 1 refused, no lease lost", sum)
+	}
+	if n := labelled(t, reg, "reconciler_writes_refused_total", map[string]string{"statement": "complete", "sqlstate_class": "P0"}); n != 1 {
+		t.Fatalf(`reconciler_writes_refused_total{statement="complete",sqlstate_class="P0"} = %v, want 1`, n)
+	}
+	line := logLine(t, logs.String(), "outcome refused by the database", bad)
+	if line["level"] != "ERROR" || line["sqlstate"] != "P0001" || line["statement"] != "complete" ||
+		line["outcome"] != "succeeded" || line["external_id"] != "thing-1" || line["hint"] == nil ||
+		!strings.Contains(fmt.Sprint(line["fate"]), "released with a check error") {
+		t.Fatalf("log line %v: want an ERROR naming the SQLSTATE, a hint, the fate and the verdict", line)
+	}
+}
+
+// labelled returns the value of the counter name{labels} in reg (0 if
+// absent).
+func labelled(t testing.TB, reg *prometheus.Registry, name string, labels map[string]string) float64 {
+	t.Helper()
+	mfs, err := reg.Gather()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, mf := range mfs {
+		if mf.GetName() != name {
+			continue
+		}
+	metric:
+		for _, m := range mf.GetMetric() {
+			for _, l := range m.GetLabel() {
+				if v, ok := labels[l.GetName()]; ok && v != l.GetValue() {
+					continue metric
+				}
+			}
+			return m.GetCounter().GetValue()
+		}
+	}
+	return 0
+}
+
+// logLine returns the first JSON log line with message msg about receipt
+// id, failing the test if there is none.
+func logLine(t testing.TB, logs, msg string, id int64) map[string]any {
+	t.Helper()
+	sc := bufio.NewScanner(strings.NewReader(logs))
+	sc.Buffer(make([]byte, 1<<20), 1<<20)
+	for sc.Scan() {
+		var m map[string]any
+		if json.Unmarshal(sc.Bytes(), &m) != nil {
+			continue
+		}
+		if m["msg"] == msg && m["receipt_id"] == float64(id) {
+			return m
+		}
+	}
+	t.Fatalf("no log line %q for receipt %d in:\n%s", msg, id, logs)
+	return nil
+}
