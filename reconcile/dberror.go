@@ -38,28 +38,6 @@ const (
 	dbStatementRefused
 )
 
-// transientClasses are the SQLSTATE classes (and codes) after which the
-// same statement may succeed: the database, not the statement, is the
-// problem. Any other SQLSTATE is permanent: a permanent error taken for a
-// transient one would hold its rows forever, the other way round only
-// costs one backoff.
-var transientClasses = map[string]bool{
-	"08": true, // connection exception
-	"40": true, // transaction rollback: serialization failure, deadlock, completion unknown
-	"53": true, // insufficient resources: too many connections, out of memory, disk full
-	"57": true, // operator intervention: admin/crash shutdown, cannot connect now, query canceled
-	"58": true, // system error (I/O)
-	"72": true, // snapshot too old
-}
-
-// transientCodes are single SQLSTATEs of otherwise permanent classes that
-// a wait cures.
-var transientCodes = map[string]bool{
-	"25006": true, // read_only_sql_transaction: connected to a standby mid-failover
-	"55P03": true, // lock_not_available (lock_timeout)
-	"55006": true, // object_in_use
-}
-
 // classifyDB says how to treat err from a statement. An error without a
 // SQLSTATE (a network error, a timeout, a closed pool, the end of a
 // context) is transient: the database never judged the statement.
@@ -68,10 +46,22 @@ func classifyDB(err error) dbFailure {
 	if code == "" || len(code) != 5 {
 		return dbTransient
 	}
-	if transientCodes[code] || transientClasses[code[:2]] {
+	// A permanent error taken for a transient one would hold its rows
+	// forever; the other way round only costs one backoff.
+	switch code {
+	case "25006", // read_only_sql_transaction: connected to a standby mid-failover
+		"55P03", // lock_not_available (lock_timeout)
+		"55006": // object_in_use
 		return dbTransient
 	}
 	switch code[:2] {
+	case "08", // connection exception
+		"40", // transaction rollback: serialization failure, deadlock, completion unknown
+		"53", // insufficient resources: too many connections, out of memory, disk full
+		"57", // operator intervention: admin/crash shutdown, cannot connect now, query canceled
+		"58", // system error (I/O)
+		"72": // snapshot too old
+		return dbTransient
 	case "22", "23", "54", "RL", "P0":
 		return dbRowRefused
 	}
