@@ -9,8 +9,8 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 
-	"github.com/receiptledger/reconciler/internal/pgtest"
 	"github.com/receiptledger/reconciler/internal/pglisten"
+	"github.com/receiptledger/reconciler/internal/pgtest"
 )
 
 func TestMain(m *testing.M) { pgtest.Main(m) }
