@@ -176,7 +176,7 @@ func (s *settlements) register(id int64, wake chan<- struct{}) (listenErr func()
 	} else if s.session.listening {
 		signal(wake)
 	}
-	return s.session.listener.Err, sync.OnceFunc(func() {
+	return s.session.listener.Err, func() {
 		s.mu.Lock()
 		defer s.mu.Unlock()
 		delete(s.waiters[id], w)
@@ -187,7 +187,7 @@ func (s *settlements) register(id int64, wake chan<- struct{}) (listenErr func()
 			s.session.cancel()
 			s.session = nil
 		}
-	})
+	}
 }
 
 // listen starts a session's listener; s.mu is held.

@@ -88,7 +88,6 @@ func New(pool *pgxpool.Pool, channels []string, opts Options) *Listener {
 // The connection is taken from the pool for good (hijacked): a LISTENing
 // session must never be handed to another user of the pool. After a
 // failure, Run records it (Err), logs it, pauses, and connects again.
-// Call Run once per Listener.
 func (l *Listener) Run(ctx context.Context) {
 	pause := l.opts.FirstPause
 	for {
