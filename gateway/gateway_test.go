@@ -323,20 +323,23 @@ func TestUnknownOutcomeWaitAndSettle(t *testing.T) {
 func waitListening(t *testing.T, e *env) {
 	t.Helper()
 	deadline := time.Now().Add(10 * time.Second)
-	for {
-		var n int
-		if err := e.db.QueryRow(context.Background(), `SELECT count(*) FROM pg_stat_activity
-			WHERE datname = current_database() AND query = 'LISTEN reconciler_settled'`).Scan(&n); err != nil {
-			t.Fatal(err)
-		}
-		if n > 0 {
-			return
-		}
+	for listening(t, e) == 0 {
 		if time.Now().After(deadline) {
 			t.Fatal("the gateway never listened for settlements")
 		}
 		time.Sleep(5 * time.Millisecond) // polling a condition
 	}
+}
+
+// listening counts the sessions LISTENing for settlements.
+func listening(t *testing.T, e *env) int {
+	t.Helper()
+	var n int
+	if err := e.db.QueryRow(context.Background(), `SELECT count(*) FROM pg_stat_activity
+		WHERE datname = current_database() AND query = 'LISTEN reconciler_settled'`).Scan(&n); err != nil {
+		t.Fatal(err)
+	}
+	return n
 }
 
 // Nothing sent (the upstream refuses connections): rejected, retryable,

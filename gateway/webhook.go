@@ -18,8 +18,6 @@ import (
 	"sync"
 	"time"
 
-	"github.com/jackc/pgx/v5"
-
 	"github.com/receiptledger/reconciler/internal/sanitize"
 )
 
@@ -207,12 +205,10 @@ func (g *Gateway) DeliverWebhooks(ctx context.Context) {
 	if len(w.names) == 0 {
 		return
 	}
-	lctx, cancel := context.WithCancel(ctx)
-	defer cancel()
-	var wg sync.WaitGroup
-	wg.Add(1)
-	go func() { defer wg.Done(); g.listenSettled(lctx) }()
-	defer wg.Wait()
+	// Woken through the ledger client's listening connection, the one
+	// GET /receipts/{id}?wait= shares: on every settlement, and after
+	// each reconnection (a settlement meanwhile was not notified).
+	g.ledger.NotifySettled(ctx, w.wake)
 	for ctx.Err() == nil {
 		full := g.deliverDue(ctx)
 		wait := w.sweep
@@ -232,46 +228,6 @@ func (g *Gateway) DeliverWebhooks(ctx context.Context) {
 		case <-t.C:
 		}
 		t.Stop()
-	}
-}
-
-// listenSettled signals the deliverer on every settlement notification,
-// reconnecting after a failure (100 ms, doubling up to 5 s). A settlement
-// missed while disconnected is found by the sweep, and by the pass each
-// reconnection triggers.
-func (g *Gateway) listenSettled(ctx context.Context) {
-	pause := 100 * time.Millisecond
-	for ctx.Err() == nil {
-		err := g.listenOnce(ctx)
-		if ctx.Err() != nil {
-			return
-		}
-		g.log.Warn("the webhooks' settlement listener failed", "error", err)
-		t := time.NewTimer(pause)
-		select {
-		case <-ctx.Done():
-		case <-t.C:
-		}
-		t.Stop()
-		pause = min(2*pause, 5*time.Second)
-	}
-}
-
-func (g *Gateway) listenOnce(ctx context.Context) error {
-	conn, err := pgx.ConnectConfig(ctx, g.ledger.Pool().Config().ConnConfig.Copy())
-	if err != nil {
-		return err
-	}
-	defer conn.Close(context.WithoutCancel(ctx))
-	if _, err := conn.Exec(ctx, "LISTEN reconciler_settled"); err != nil {
-		return err
-	}
-	signal(g.hooks.wake)
-	for {
-		if _, err := conn.WaitForNotification(ctx); err != nil {
-			return err
-		}
-		signal(g.hooks.wake)
 	}
 }
 

@@ -467,3 +467,61 @@ func hookCounter(t *testing.T, reg *prometheus.Registry, outcome string) float64
 	}
 	return v
 }
+
+// One gateway holds one listening connection: its webhook deliverer is
+// told of settlements through the connection its ?wait= requests use, and
+// both are woken by it.
+func TestWebhookDelivererSharesTheWaitsConnection(t *testing.T) {
+	db := pgtest.NewPool(t)
+	up := httptest.NewServer(newFakeUpstream())
+	t.Cleanup(up.Close)
+	rc, hooks := newReceiver(t)
+	cfg, err := gateway.ParseConfig("routes.yaml", []byte(routesFile(up.URL, hookRoute(hooks.URL))), testEnv)
+	if err != nil {
+		t.Fatal(err)
+	}
+	client, err := ledger.New(db, "agent:gateway")
+	if err != nil {
+		t.Fatal(err)
+	}
+	g := gateway.New(client, cfg, gateway.Options{})
+	srv := httptest.NewServer(g)
+	t.Cleanup(srv.Close)
+	e := &env{db: db, gw: srv}
+	awaited := e.post(t, "/blog/fail504", "k-share-1", `{"title":"maybe"}`).problem(t)
+	other := e.post(t, "/blog/fail504", "k-share-2", `{"title":"other"}`).problem(t)
+	waited := make(chan answer, 1)
+	go func() { waited <- e.do(t, "GET", awaited.WaitURL, "", "Authorization", "Bearer "+tokenA) }()
+	waitListening(t, e)
+	startDeliverer(t, g)
+
+	reconciler, err := ledger.New(db, "reconciler:test")
+	if err != nil {
+		t.Fatal(err)
+	}
+	settle := func(id int64) {
+		t.Helper()
+		ctx := context.Background()
+		if _, err := reconciler.Transition(ctx, ledger.Move{ID: id, From: statemachine.OutcomeUnknown, To: statemachine.Reconciling}); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := reconciler.Transition(ctx, ledger.Move{ID: id, From: statemachine.Reconciling, To: statemachine.SafeToRetry}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	settle(other.ReceiptID)
+	if ev := rc.next(t); ev.ReceiptID != other.ReceiptID {
+		t.Fatalf("event %+v, want receipt %d", ev, other.ReceiptID)
+	}
+	if n := listening(t, e); n != 1 {
+		t.Fatalf("the gateway holds %d listening sessions while it waits and delivers, want 1", n)
+	}
+	settle(awaited.ReceiptID)
+	if ev := rc.next(t); ev.ReceiptID != awaited.ReceiptID {
+		t.Fatalf("event %+v, want receipt %d", ev, awaited.ReceiptID)
+	}
+	var doc gateway.ReceiptDoc
+	if a := <-waited; json.Unmarshal(a.body, &doc) != nil || doc.State != "safe_to_retry" {
+		t.Fatalf("the wait answered %d %s", a.status, a.body)
+	}
+}

@@ -7,9 +7,9 @@ import (
 	"sync"
 	"time"
 
-	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 
+	"github.com/receiptledger/reconciler/internal/pglisten"
 	"github.com/receiptledger/reconciler/statemachine"
 )
 
@@ -48,7 +48,8 @@ func Awaiting(s statemachine.State) bool {
 // A settlement by the reconciler or a reviewer wakes it through the
 // database's NOTIFY, not by polling: every client made from one New (As,
 // WithSecretKey) shares one dedicated connection that LISTENs while at
-// least one Await is waiting, and closes it when none is. A receipt still
+// least one Await is waiting (or NotifySettled relays), and closes it when
+// none is. A receipt still
 // in flight (planned or submitted, moved on by its agent without a
 // notification) is re-read every 10 ms, doubling to 1 s, until it is not.
 // A receipt already settled is returned at once, without that connection.
@@ -61,9 +62,9 @@ func (c *Client) Await(ctx context.Context, id int64) (*Receipt, error) {
 	if err != nil || !Awaiting(r.State) {
 		return r, err
 	}
-	wake, ready, listenErr, done := c.settled.register(id)
+	wake := make(chan struct{}, 1)
+	listenErr, done := c.settled.register(id, wake)
 	defer done()
-	waitFor := ready
 	poll := time.NewTimer(inFlightFirstPoll)
 	defer poll.Stop()
 	pause := inFlightFirstPoll
@@ -81,12 +82,10 @@ func (c *Client) Await(ctx context.Context, id int64) (*Receipt, error) {
 				return r, fmt.Errorf("ledger: await receipt %d: still %s: %w (listener: %w)", id, r.State, ctx.Err(), lerr)
 			}
 			return r, fmt.Errorf("ledger: await receipt %d: still %s: %w", id, r.State, ctx.Err())
-		case <-waitFor:
-			// LISTEN is in effect from here on: read the state again, so
-			// a settlement between the first read and the LISTEN (or
-			// during a reconnection) is not missed.
-			waitFor = wake
 		case <-wake:
+			// A settlement of id, or LISTEN (again) in effect: read the
+			// state again, so a settlement between the first read and
+			// the LISTEN (or during a reconnection) is not missed.
 		}
 		cur, err := c.Get(ctx, id)
 		if err != nil {
@@ -101,157 +100,142 @@ func (c *Client) Await(ctx context.Context, id int64) (*Receipt, error) {
 	}
 }
 
+// NotifySettled relays to ch, until ctx ends, a value whenever receipts
+// may have settled: on every settlement notified (of any receipt, as Await
+// is woken by them), and each time the connection Await shares starts
+// listening, at once if it already does, since a settlement made while
+// it did not was not notified. On each value, read what you are watching
+// again: the value says "look again", not which receipt. Like
+// signal.Notify, NotifySettled never blocks sending to ch: give it a
+// buffer of one. While ctx lasts, that connection stays open.
+func (c *Client) NotifySettled(ctx context.Context, ch chan<- struct{}) {
+	if ctx.Err() != nil {
+		return
+	}
+	_, done := c.settled.register(everyReceipt, ch)
+	context.AfterFunc(ctx, done)
+}
+
 // inFlight reports whether a receipt in state s is still moved on by the
 // agent making its call, without a notification.
 func inFlight(s statemachine.State) bool {
 	return s == statemachine.Planned || s == statemachine.Submitted
 }
 
-// settlements fans the notifications of one dedicated LISTEN connection out
-// to the Await calls waiting on each receipt. The connection is opened when
-// the first waiter registers and closed when the last one leaves, so an idle
-// client holds none.
+// settlements fans the notifications of one dedicated LISTEN connection
+// out to the Await calls waiting on each receipt and to NotifySettled's
+// channels. The connection is opened when the first waiter registers and
+// closed when the last one leaves, so an idle client holds none.
 type settlements struct {
 	pool *pgxpool.Pool
 
 	mu      sync.Mutex
-	waiters map[int64]map[chan struct{}]struct{}
+	waiters map[int64]map[*waiter]struct{} // by receipt id, everyReceipt for all
 	count   int
 	session *listenSession // nil while nobody waits
 }
 
-// listenSession is one period during which somebody waits: one goroutine
+// everyReceipt registers a waiter woken by every settlement (receipt ids
+// start at 1).
+const everyReceipt int64 = 0
+
+// waiter is one registration: its channel is signalled, never blocked on.
+type waiter struct{ wake chan<- struct{} }
+
+// listenSession is one period during which somebody waits: a listener
 // keeps a LISTEN connection open (reconnecting after a failure) until it
 // is canceled.
 type listenSession struct {
-	cancel context.CancelFunc
-	// ready is closed the first time LISTEN is in effect.
-	ready chan struct{}
-	once  sync.Once
-
-	mu      sync.Mutex
-	lastErr error
+	cancel   context.CancelFunc
+	listener *pglisten.Listener
+	// listening is set once LISTEN has first taken effect.
+	listening bool
 }
 
 func newSettlements(pool *pgxpool.Pool) *settlements {
-	return &settlements{pool: pool, waiters: map[int64]map[chan struct{}]struct{}{}}
+	return &settlements{pool: pool, waiters: map[int64]map[*waiter]struct{}{}}
 }
 
-// register adds a waiter on receipt id. It returns the channel a
-// notification for id (or a reconnection, after which the state must be
-// read again) signals, a channel closed once LISTEN is in effect, the
-// listener's last connection error, and the function that removes the
+// register adds a waiter on receipt id (everyReceipt: on all). Its wake
+// channel is signalled once LISTEN is in effect (at once if it already
+// is), on every notification for id, and after every reconnection: each
+// time, whatever was read before must be read again. register returns the
+// listener's last connection error and the function that removes the
 // waiter.
-func (s *settlements) register(id int64) (wake chan struct{}, ready <-chan struct{}, listenErr func() error, done func()) {
-	wake = make(chan struct{}, 1)
+func (s *settlements) register(id int64, wake chan<- struct{}) (listenErr func() error, done func()) {
+	w := &waiter{wake: wake}
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	if s.waiters[id] == nil {
-		s.waiters[id] = map[chan struct{}]struct{}{}
+		s.waiters[id] = map[*waiter]struct{}{}
 	}
-	s.waiters[id][wake] = struct{}{}
+	s.waiters[id][w] = struct{}{}
 	s.count++
 	if s.session == nil {
-		ctx, cancel := context.WithCancel(context.Background())
-		s.session = &listenSession{cancel: cancel, ready: make(chan struct{})}
-		go s.listen(ctx, s.session)
+		s.session = s.listen()
+	} else if s.session.listening {
+		signal(wake)
 	}
-	sess := s.session
-	return wake, sess.ready, sess.err, func() {
+	return s.session.listener.Err, func() {
 		s.mu.Lock()
 		defer s.mu.Unlock()
-		delete(s.waiters[id], wake)
+		delete(s.waiters[id], w)
 		if len(s.waiters[id]) == 0 {
 			delete(s.waiters, id)
 		}
-		if s.count--; s.count == 0 && s.session != nil {
+		if s.count--; s.count == 0 {
 			s.session.cancel()
 			s.session = nil
 		}
 	}
 }
 
-func (ls *listenSession) err() error {
-	ls.mu.Lock()
-	defer ls.mu.Unlock()
-	return ls.lastErr
+// listen starts a session's listener; s.mu is held.
+func (s *settlements) listen() *listenSession {
+	ctx, cancel := context.WithCancel(context.Background())
+	ls := &listenSession{cancel: cancel}
+	ls.listener = pglisten.New(s.pool, []string{settledChannel}, pglisten.Options{
+		OnListen: func() { s.listened(ls) },
+		OnNotify: s.notified,
+	})
+	go ls.listener.Run(ctx)
+	return ls
 }
 
-// listen keeps a LISTEN connection open until ctx ends, pausing between
-// failed attempts (100 ms, doubling up to 5 s).
-func (s *settlements) listen(ctx context.Context, ls *listenSession) {
-	pause := 100 * time.Millisecond
-	for ctx.Err() == nil {
-		err := s.listenOnce(ctx, ls)
-		if ctx.Err() != nil {
-			return
-		}
-		ls.mu.Lock()
-		ls.lastErr = err
-		ls.mu.Unlock()
-		t := time.NewTimer(pause)
-		select {
-		case <-ctx.Done():
-			t.Stop()
-			return
-		case <-t.C:
-		}
-		pause = min(2*pause, 5*time.Second)
-	}
-}
-
-// listenOnce opens a connection of its own (not one of the pool's: a
-// LISTENing session must not be handed to another user), LISTENs, wakes
-// every waiter to read its receipt again (settlements made before the
-// LISTEN are not notified to it), and dispatches notifications until the
-// connection fails or ctx ends.
-func (s *settlements) listenOnce(ctx context.Context, ls *listenSession) error {
-	conn, err := pgx.ConnectConfig(ctx, s.pool.Config().ConnConfig.Copy())
-	if err != nil {
-		return err
-	}
-	defer conn.Close(context.WithoutCancel(ctx))
-	if _, err := conn.Exec(ctx, "LISTEN "+settledChannel); err != nil {
-		return err
-	}
-	ls.once.Do(func() { close(ls.ready) })
-	s.wakeAll()
-	for {
-		n, err := conn.WaitForNotification(ctx)
-		if err != nil {
-			return err
-		}
-		if n.Channel != settledChannel {
-			continue
-		}
-		// A payload that is no receipt id was not sent by the trigger.
-		if id, err := strconv.ParseInt(n.Payload, 10, 64); err == nil {
-			s.wake(id)
-		}
-	}
-}
-
-func (s *settlements) wake(id int64) {
+// listened wakes every waiter to read its receipt again: settlements made
+// before the LISTEN took effect were not notified to it.
+func (s *settlements) listened(ls *listenSession) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	for ch := range s.waiters[id] {
-		signal(ch)
+	ls.listening = true
+	if s.session != ls {
+		return // a session already canceled
 	}
-}
-
-func (s *settlements) wakeAll() {
-	s.mu.Lock()
-	defer s.mu.Unlock()
 	for _, set := range s.waiters {
-		for ch := range set {
-			signal(ch)
+		for w := range set {
+			signal(w.wake)
 		}
+	}
+}
+
+// notified wakes the waiters on the notified receipt and on every receipt.
+func (s *settlements) notified(n pglisten.Notification) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	// A payload that is no receipt id was not sent by the trigger.
+	if id, err := strconv.ParseInt(n.Payload, 10, 64); err == nil && id != everyReceipt {
+		for w := range s.waiters[id] {
+			signal(w.wake)
+		}
+	}
+	for w := range s.waiters[everyReceipt] {
+		signal(w.wake)
 	}
 }
 
 // signal wakes a waiter without blocking: one pending wake-up is enough,
 // the waiter reads the receipt's state anyway.
-func signal(ch chan struct{}) {
+func signal(ch chan<- struct{}) {
 	select {
 	case ch <- struct{}{}:
 	default:

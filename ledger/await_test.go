@@ -207,3 +207,80 @@ func TestAwaitManyShareOneConnection(t *testing.T) {
 	}
 	waitListeners(t, c.Pool(), 0)
 }
+
+// NotifySettled is told of every settlement, of any receipt, through the
+// connection Await uses: one session LISTENs for both, it stays open while
+// either waits, and closes when neither does.
+func TestNotifySettledSharesAwaitsConnection(t *testing.T) {
+	c := newClient(t)
+	a := unknownReceipt(t, c, "notify:a:articles.create")
+	b := unknownReceipt(t, c, "notify:b:articles.create")
+	d := unknownReceipt(t, c, "notify:d:articles.create")
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	awaited := make(chan error, 1)
+	go func() {
+		_, err := c.Await(ctx, a.ID)
+		awaited <- err
+	}()
+	waitListeners(t, c.Pool(), 1)
+
+	watch, stop := context.WithCancel(ctx)
+	defer stop()
+	settled := make(chan struct{}, 1)
+	c.As("agent:watcher").NotifySettled(watch, settled)
+	told := func(what string) {
+		t.Helper()
+		select {
+		case <-settled:
+		case <-ctx.Done():
+			t.Fatalf("NotifySettled was not told %s", what)
+		}
+	}
+	told("to look at once, the connection already listening")
+	if n := listeners(t, c.Pool()); n != 1 {
+		t.Fatalf("%d sessions LISTEN for Await and NotifySettled, want one shared", n)
+	}
+	settleAs(t, c, b, "art-b")
+	told("of a settlement nobody awaits")
+	settleAs(t, c, a, "art-a")
+	if err := <-awaited; err != nil {
+		t.Fatal(err)
+	}
+	told("of the awaited settlement")
+	// Await gone, the connection still listens for NotifySettled.
+	settleAs(t, c, d, "art-d")
+	told("of a settlement after Await returned")
+	stop()
+	waitListeners(t, c.Pool(), 0)
+}
+
+// The listening session is terminated by the server and the receipt
+// settled at once, most likely before the listener is back: nothing
+// notifies that settlement to it, and Await finds it by reading the
+// receipt again when LISTEN is back in effect.
+func TestAwaitSurvivesTheListenerBeingTerminated(t *testing.T) {
+	c := newClient(t)
+	r := unknownReceipt(t, c, "await:terminated:articles.create")
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	type result struct {
+		r   *ledger.Receipt
+		err error
+	}
+	got := make(chan result, 1)
+	go func() {
+		r, err := c.Await(ctx, r.ID)
+		got <- result{r, err}
+	}()
+	waitListeners(t, c.Pool(), 1)
+	if _, err := c.Pool().Exec(ctx, `SELECT pg_terminate_backend(pid) FROM pg_stat_activity
+		WHERE datname = current_database() AND query = 'LISTEN reconciler_settled'`); err != nil {
+		t.Fatal(err)
+	}
+	settleAs(t, c, r, "art-terminated")
+	res := <-got
+	if res.err != nil || res.r.State != statemachine.Succeeded || res.r.ExternalID != "art-terminated" {
+		t.Fatalf("Await across the listener's reconnection = %v, %v; want succeeded with art-terminated", res.r.State, res.err)
+	}
+}

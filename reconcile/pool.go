@@ -25,6 +25,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/receiptledger/reconciler/internal/dbclock"
+	"github.com/receiptledger/reconciler/internal/pglisten"
 	"github.com/receiptledger/reconciler/internal/protect"
 	"github.com/receiptledger/reconciler/readback"
 	"github.com/receiptledger/reconciler/statemachine"
@@ -460,9 +461,21 @@ func (p *Pool) serve(ctx context.Context, once bool) (Summary, error) {
 
 	wake := make(chan struct{}, 1)
 	if !once {
+		// NOTIFY reconciler_due wakes the claim loop; while the listener
+		// reconnects (1 s doubling to 30 s), polling covers the gap.
+		l := pglisten.New(p.db, []string{notifyChannel}, pglisten.Options{
+			OnNotify: func(pglisten.Notification) {
+				select {
+				case wake <- struct{}{}:
+				default: // one pending wake-up is enough
+				}
+			},
+			Logger: p.log, FirstPause: time.Second, MaxPause: 30 * time.Second,
+		})
+		var listener sync.WaitGroup
 		listenCtx, stopListen := context.WithCancel(ctx)
-		defer stopListen()
-		go p.listen(listenCtx, wake)
+		listener.Go(func() { l.Run(listenCtx) })
+		defer func() { stopListen(); listener.Wait() }()
 	}
 	err := s.claimLoop(once, wake)
 
@@ -1394,53 +1407,6 @@ func (s *session) heartbeat(ctx context.Context) {
 				s.leases[id] = h
 			}
 			s.leaseMu.Unlock()
-		}
-	}
-}
-
-// listen turns NOTIFY reconciler_due into wake-ups, reconnecting with a
-// pause on failure; polling covers the gaps.
-func (p *Pool) listen(ctx context.Context, wake chan<- struct{}) {
-	pauseFor := time.Second
-	for ctx.Err() == nil {
-		err := p.listenOnce(ctx, wake)
-		if ctx.Err() != nil {
-			return
-		}
-		p.log.Warn("notification listener failed; polling until it reconnects", "error", err)
-		t := time.NewTimer(pauseFor)
-		select {
-		case <-ctx.Done():
-			t.Stop()
-			return
-		case <-t.C:
-		}
-		pauseFor = min(2*pauseFor, 30*time.Second)
-	}
-}
-
-func (p *Pool) listenOnce(ctx context.Context, wake chan<- struct{}) error {
-	pc, err := p.db.Acquire(ctx)
-	if err != nil {
-		return err
-	}
-	// The connection leaves the pool: a LISTENing session must not be
-	// handed to another user.
-	conn := pc.Hijack()
-	defer conn.Close(context.WithoutCancel(ctx))
-	if _, err := conn.Exec(ctx, sqlListen); err != nil {
-		return err
-	}
-	for {
-		n, err := conn.WaitForNotification(ctx)
-		if err != nil {
-			return err
-		}
-		if n.Channel == notifyChannel {
-			select {
-			case wake <- struct{}{}:
-			default:
-			}
 		}
 	}
 }

@@ -347,9 +347,6 @@ SELECT count(*) FROM reconciler.receipts WHERE state = 'manual_review'`
 // sqlDuplicates counts recorded duplicate alarms.
 const sqlDuplicates = `SELECT count(*) FROM reconciler.duplicate_alarms`
 
-// sqlListen subscribes the wake-up connection.
-const sqlListen = `LISTEN reconciler_due`
-
 // notifyChannel is the channel the receipts row trigger (00001) notifies
 // when a receipt becomes outcome_unknown.
 const notifyChannel = "reconciler_due"
