@@ -3,6 +3,7 @@ package ledger
 import (
 	"context"
 	"fmt"
+	"log/slog"
 	"strconv"
 	"sync"
 	"time"
@@ -49,9 +50,9 @@ func Awaiting(s statemachine.State) bool {
 // database's NOTIFY, not by polling: every client made from one New (As,
 // WithSecretKey) shares one dedicated connection that LISTENs while at
 // least one Await is waiting (or NotifySettled relays), and closes it when
-// none is. A receipt still
-// in flight (planned or submitted, moved on by its agent without a
-// notification) is re-read every 10 ms, doubling to 1 s, until it is not.
+// none is. A receipt still in flight (planned or submitted, moved on by its
+// agent without a notification) is re-read every 10 ms, doubling to 1 s,
+// until it is not.
 // A receipt already settled is returned at once, without that connection.
 //
 // When ctx ends first, Await returns the receipt as last read and an error
@@ -63,7 +64,7 @@ func (c *Client) Await(ctx context.Context, id int64) (*Receipt, error) {
 		return r, err
 	}
 	wake := make(chan struct{}, 1)
-	listenErr, done := c.settled.register(id, wake)
+	listenErr, done := c.settled.register(id, wake, c.log)
 	defer done()
 	poll := time.NewTimer(inFlightFirstPoll)
 	defer poll.Stop()
@@ -112,7 +113,7 @@ func (c *Client) NotifySettled(ctx context.Context, ch chan<- struct{}) {
 	if ctx.Err() != nil {
 		return
 	}
-	_, done := c.settled.register(everyReceipt, ch)
+	_, done := c.settled.register(everyReceipt, ch, c.log)
 	context.AfterFunc(ctx, done)
 }
 
@@ -162,7 +163,7 @@ func newSettlements(pool *pgxpool.Pool) *settlements {
 // time, whatever was read before must be read again. register returns the
 // listener's last connection error and the function that removes the
 // waiter.
-func (s *settlements) register(id int64, wake chan<- struct{}) (listenErr func() error, done func()) {
+func (s *settlements) register(id int64, wake chan<- struct{}, log *slog.Logger) (listenErr func() error, done func()) {
 	w := &waiter{wake: wake}
 	s.mu.Lock()
 	defer s.mu.Unlock()
@@ -172,7 +173,7 @@ func (s *settlements) register(id int64, wake chan<- struct{}) (listenErr func()
 	s.waiters[id][w] = struct{}{}
 	s.count++
 	if s.session == nil {
-		s.session = s.listen()
+		s.session = s.listen(log)
 	} else if s.session.listening {
 		signal(wake)
 	}
@@ -190,13 +191,15 @@ func (s *settlements) register(id int64, wake chan<- struct{}) (listenErr func()
 	}
 }
 
-// listen starts a session's listener; s.mu is held.
-func (s *settlements) listen() *listenSession {
+// listen starts a session's listener, which logs its failures to log (nil:
+// nowhere); s.mu is held.
+func (s *settlements) listen(log *slog.Logger) *listenSession {
 	ctx, cancel := context.WithCancel(context.Background())
 	ls := &listenSession{cancel: cancel}
 	ls.listener = pglisten.New(s.pool, []string{settledChannel}, pglisten.Options{
 		OnListen: func() { s.listened(ls) },
 		OnNotify: s.notified,
+		Logger:   log,
 	})
 	go ls.listener.Run(ctx)
 	return ls

@@ -1,9 +1,12 @@
 package ledger_test
 
 import (
+	"bytes"
 	"context"
 	"errors"
+	"log/slog"
 	"strconv"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -258,9 +261,11 @@ func TestNotifySettledSharesAwaitsConnection(t *testing.T) {
 // The listening session is terminated by the server and the receipt
 // settled at once, most likely before the listener is back: nothing
 // notifies that settlement to it, and Await finds it by reading the
-// receipt again when LISTEN is back in effect.
+// receipt again when LISTEN is back in effect. The failure is logged to
+// the client's logger (WithLogger) before that.
 func TestAwaitSurvivesTheListenerBeingTerminated(t *testing.T) {
-	c := newClient(t)
+	var logs lockedBuffer
+	c := newClient(t).WithLogger(slog.New(slog.NewTextHandler(&logs, nil)))
 	r := unknownReceipt(t, c, "await:terminated:articles.create")
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
@@ -283,4 +288,25 @@ func TestAwaitSurvivesTheListenerBeingTerminated(t *testing.T) {
 	if res.err != nil || res.r.State != statemachine.Succeeded || res.r.ExternalID != "art-terminated" {
 		t.Fatalf("Await across the listener's reconnection = %v, %v; want succeeded with art-terminated", res.r.State, res.err)
 	}
+	if got := logs.String(); !strings.Contains(got, "LISTEN connection failed") || !strings.Contains(got, "reconciler_settled") {
+		t.Fatalf("the listener's failure was not logged to the client's logger; logs:\n%s", got)
+	}
+}
+
+// lockedBuffer is a log destination safe for the listener's goroutine.
+type lockedBuffer struct {
+	mu sync.Mutex
+	b  bytes.Buffer
+}
+
+func (l *lockedBuffer) Write(p []byte) (int, error) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.b.Write(p)
+}
+
+func (l *lockedBuffer) String() string {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.b.String()
 }

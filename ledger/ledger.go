@@ -21,6 +21,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"log/slog"
 	"maps"
 	"strconv"
 	"strings"
@@ -72,6 +73,9 @@ type Client struct {
 	// submitted) wait for its WAL flush like every other move
 	// (WithDurableOutcomes).
 	durableOutcomes bool
+	// log receives the failures of the LISTEN connection this client's
+	// Await and NotifySettled open (WithLogger); nil discards them.
+	log *slog.Logger
 }
 
 // New returns a client that writes as actor ("agent:<id>").
@@ -88,6 +92,17 @@ func New(pool *pgxpool.Pool, actor string) (*Client, error) {
 func (c *Client) As(actor statemachine.Actor) *Client {
 	d := *c
 	d.actor = actor
+	return &d
+}
+
+// WithLogger returns a client like c whose Await and NotifySettled log to l
+// each failure of the LISTEN connection they open (it reconnects after a
+// pause; meanwhile settlements wake no one, and in-flight receipts are
+// still re-read on their timer). A connection already open keeps the
+// logger of the client that opened it.
+func (c *Client) WithLogger(l *slog.Logger) *Client {
+	d := *c
+	d.log = l
 	return &d
 }
 

@@ -76,6 +76,9 @@ func gatewayAction(c *cli.Context) error {
 	if err != nil {
 		return cli.Exit(fmt.Sprintf("gateway: %v", err), 1)
 	}
+	// ?wait= and the webhook deliverer share the client's LISTEN
+	// connection: its failures are the gateway's to report.
+	client = client.WithLogger(logger)
 	if client, err = client.SecretKeyFromEnv(os.Getenv); err != nil {
 		return cli.Exit(fmt.Sprintf("gateway: %v", err), 1)
 	}
