@@ -269,7 +269,7 @@ func (g *Gateway) proxy(w http.ResponseWriter, r *http.Request) {
 	escaped := r.URL.EscapedPath()
 	route, rest := g.match(escaped)
 	if route == nil {
-		g.refuse(w, "none", newProblem(ProblemUnknownRoute, "no route's prefix matches "+strconv.Quote(truncate(escaped))))
+		g.refuse(w, routeNone, newProblem(ProblemUnknownRoute, "no route's prefix matches "+strconv.Quote(truncate(escaped))))
 		return
 	}
 	c.route = route

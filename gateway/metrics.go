@@ -16,6 +16,15 @@ const (
 	outcomeRefused     = "refused"
 	outcomePassthrough = "passthrough"
 	outcomeError       = "error"
+	outcomeRead        = "read" // GET /receipts/{id} answered
+)
+
+// Route labels of requests that no configured route serves: a receipt read
+// and a path that matches no prefix. A route's own label is its prefix,
+// which starts with "/", so these never collide with one.
+const (
+	routeReceipts = "receipts"
+	routeNone     = "none"
 )
 
 // Outcomes of a webhook delivery attempt in
@@ -40,7 +49,7 @@ type Metrics struct {
 func NewMetrics(reg prometheus.Registerer) *Metrics {
 	m := &Metrics{
 		requests: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "reconciler_gateway_requests_total",
-			Help: "Requests by route and outcome (succeeded, rejected, outcome_unknown, not_sent, replayed, refused, passthrough, error)."},
+			Help: "Requests by route (a route's prefix; receipts for GET /receipts/{id}; none when no prefix matches) and outcome (succeeded, rejected, outcome_unknown, not_sent, replayed, refused, passthrough, error, read)."},
 			[]string{"route", "outcome"}),
 		refusals: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "reconciler_gateway_refusals_total",
 			Help: "Requests refused by the gateway, by route and problem type."}, []string{"route", "type"}),

@@ -101,7 +101,7 @@ func writeReceipt(w http.ResponseWriter, status int, rc *ledger.Receipt) {
 // is woken by the database's NOTIFY when an unknown outcome settles; a
 // receipt still in flight is re-read on a timer (ledger.Client.Await).
 func (g *Gateway) serveReceipt(w http.ResponseWriter, r *http.Request) {
-	const route = "receipts"
+	const route = routeReceipts
 	if _, _, bad := g.authenticate(r); bad != nil {
 		g.refuse(w, route, newProblem(*bad, "send the agent's token as Authorization: Bearer <token>"))
 		return
@@ -140,6 +140,6 @@ func (g *Gateway) serveReceipt(w http.ResponseWriter, r *http.Request) {
 		}
 		return
 	}
-	g.metrics.request(route, "read")
+	g.metrics.request(route, outcomeRead)
 	writeReceipt(w, http.StatusOK, rc)
 }

@@ -40,7 +40,7 @@ func adaptersCommand() *cli.Command {
 				&cli.BoolFlag{Name: "control", Usage: "run every adapter's declared positive control against the real API"},
 				&cli.Int64Flag{Name: "receipt", Usage: "run one readback for this receipt id"},
 				&cli.StringFlag{Name: "database-url", EnvVars: []string{"RECONCILER_DATABASE_URL"},
-					Usage: "Postgres URL of the receipt ledger (with --receipt)"},
+					Usage: "Postgres URL of the receipt ledger (with --receipt; with --control, the control an adapter that declares none draws from the ledger is run too)"},
 				&cli.DurationFlag{Name: "timeout", Value: 30 * time.Second, Usage: "timeout of the readback"},
 			},
 			Action: adaptersCheckAction,
