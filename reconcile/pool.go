@@ -641,7 +641,9 @@ func (s *session) claimLoop(once bool, wake <-chan struct{}) error {
 		}
 		if once {
 			if s.inflight.Load() == 0 {
-				return nil
+				// The last outcomes may have been refused while this
+				// claim ran, after the check at the top of the loop.
+				return p.WritesRefused()
 			}
 			s.waitSpace()
 			continue
