@@ -136,3 +136,63 @@ func logLine(t testing.TB, logs, msg string, id int64) map[string]any {
 	t.Fatalf("no log line %q for receipt %d in:\n%s", msg, id, logs)
 	return nil
 }
+
+// The split of a refused batch writes row by row, each statement committed
+// on its own. A transient failure after one row was given up (released
+// with a check error) made the whole batch be tried again, and that retry
+// no longer saw the row it had released (no longer leased): its refusal,
+// the ERROR with its verdict, and its count were dropped, and the row was
+// reported as a lost lease. Here two rows are refused (P0001) and the
+// settlement of the second, once the first is released, fails once with a
+// serialization failure (40001, transient), whatever order the split takes.
+func TestRefusalSurvivesATransientFailureMidSplit(t *testing.T) {
+	ctx := context.Background()
+	db := pgtest.NewPool(t)
+	ids := seed(t, db, 2, "things.create", "static-api", "outcome_unknown")
+	if _, err := db.Exec(ctx, fmt.Sprintf(`
+		CREATE SEQUENCE public.flake_once;
+		CREATE FUNCTION public.refuse_two() RETURNS trigger LANGUAGE plpgsql AS $$
+		BEGIN
+			IF EXISTS (SELECT FROM reconciler.receipts
+			           WHERE id IN (%[1]d, %[2]d) AND id <> NEW.id AND lease_owner IS NULL)
+			   AND nextval('public.flake_once') = 1 THEN
+				RAISE EXCEPTION 'receipt %% hit a serialization failure (test)', NEW.id USING ERRCODE = '40001';
+			END IF;
+			RAISE EXCEPTION 'receipt %% may not settle (test)', NEW.id;
+		END $$;
+		CREATE TRIGGER refuse_two BEFORE UPDATE ON reconciler.receipts FOR EACH ROW
+		WHEN (NEW.state = 'succeeded' AND NEW.id IN (%[1]d, %[2]d)) EXECUTE FUNCTION public.refuse_two()`,
+		ids[0], ids[1])); err != nil {
+		t.Fatal(err)
+	}
+	present := readback.Binding{Name: "static", Kind: readback.Create, Dependency: "static-api", Policy: shortPolicy(),
+		Adapter: readback.Static{Verdict: readback.VerdictPresent, ExternalID: "thing-1", Authoritative: true}}
+	logs := &syncBuffer{}
+	// Both rows are claimed together and, with a long flush interval, their
+	// outcomes are written in one batch.
+	pool := newPool(t, db, reconcile.Config{Instance: "flaky-split", Registry: registry(t, nil, shortPolicy(), present),
+		Now: newClock().Now, FlushInterval: time.Minute, Logger: slog.New(slog.NewJSONHandler(logs, nil))})
+	sum, err := pool.Drain(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var flaked int64
+	if err := db.QueryRow(ctx, `SELECT last_value FROM public.flake_once`).Scan(&flaked); err != nil {
+		t.Fatal(err)
+	}
+	if flaked < 1 {
+		t.Fatal("the transient failure was never raised: the test did not exercise the split")
+	}
+	if sum.Refused != 2 || sum.LeaseLost != 0 || total(sum.Settled) != 0 {
+		t.Fatalf("summary %+v, want 2 refused, none settled, no lease lost", sum)
+	}
+	for _, id := range ids {
+		if r := receipt(t, db, id); r.State != "reconciling" || r.LeaseOwner != "" || r.Checks != 1 {
+			t.Fatalf("receipt %d: %+v, want released with its check error counted", id, r)
+		}
+		line := logLine(t, logs.String(), "outcome refused by the database", id)
+		if line["level"] != "ERROR" || line["sqlstate"] != "P0001" || line["external_id"] != "thing-1" {
+			t.Fatalf("log line %v: want an ERROR naming the SQLSTATE and the verdict", line)
+		}
+	}
+}

@@ -641,7 +641,9 @@ func (s *session) claimLoop(once bool, wake <-chan struct{}) error {
 		}
 		if once {
 			if s.inflight.Load() == 0 {
-				return nil
+				// The last outcomes may have been refused while this
+				// claim ran, after the check at the top of the loop.
+				return p.WritesRefused()
 			}
 			s.waitSpace()
 			continue
@@ -1155,10 +1157,13 @@ func (s *session) flush(batch []Outcome) {
 	}
 	var w written
 	err := s.persist("complete", len(batch), func(ctx context.Context, again bool) error {
-		var err error
 		// A retry may follow a first attempt that committed without our
-		// hearing of it, so it is the idempotent CompleteAgain's.
-		w, err = p.store.complete(ctx, batch, again)
+		// hearing of it, so it is the idempotent CompleteAgain's. What an
+		// attempt that then failed wrote is kept too: a split commits row
+		// by row, and a row it released after a refusal is no longer
+		// leased, so the retry would not see it (nor its refusal) again.
+		got, err := p.store.complete(ctx, batch, again)
+		w.add(got)
 		return err
 	})
 	if err != nil && !permanentDB(err) {
