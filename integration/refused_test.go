@@ -196,3 +196,71 @@ func TestRefusalSurvivesATransientFailureMidSplit(t *testing.T) {
 		}
 	}
 }
+
+// A receipt whose claim the database refuses for its own sake (here a
+// trigger's RAISE on its move into reconciling) used to stop every claim:
+// the claim takes rows in due order, so each one included it and failed
+// alike, forever. Now the claim's candidates are claimed apart, the
+// refused receipt is reported (an ERROR with its SQLSTATE, the count) and
+// left out of claims for a while, untouched, and every other row settles.
+func TestRefusedClaimDoesNotStopTheOthers(t *testing.T) {
+	ctx := context.Background()
+	db := pgtest.NewPool(t)
+	ids := seed(t, db, 6, "things.create", "static-api", "outcome_unknown")
+	// The earliest due, so every claim of the batch includes it.
+	bad := ids[0]
+	if _, err := db.Exec(ctx, `UPDATE reconciler.receipts SET next_check_at = next_check_at - interval '1 hour' WHERE id = $1`, bad); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := db.Exec(ctx, fmt.Sprintf(`
+		CREATE FUNCTION public.refuse_claim() RETURNS trigger LANGUAGE plpgsql AS $$
+		BEGIN RAISE EXCEPTION 'receipt %% may not be claimed (test)', NEW.id; END $$;
+		CREATE TRIGGER refuse_claim BEFORE UPDATE ON reconciler.receipts FOR EACH ROW
+		WHEN (NEW.state = 'reconciling' AND OLD.state = 'outcome_unknown' AND NEW.id = %d)
+		EXECUTE FUNCTION public.refuse_claim()`, bad)); err != nil {
+		t.Fatal(err)
+	}
+	present := readback.Binding{Name: "static", Kind: readback.Create, Dependency: "static-api", Policy: shortPolicy(),
+		Adapter: readback.Static{Verdict: readback.VerdictPresent, ExternalID: "thing-1", Authoritative: true}}
+	drain := func(name string) (reconcile.Summary, *prometheus.Registry, string) {
+		reg := prometheus.NewRegistry()
+		logs := &syncBuffer{}
+		pool := newPool(t, db, reconcile.Config{Instance: name, Registry: registry(t, nil, shortPolicy(), present),
+			Metrics: reconcile.NewMetrics(reg), Logger: slog.New(slog.NewJSONHandler(logs, nil))})
+		dctx, cancel := context.WithTimeout(ctx, time.Minute)
+		defer cancel()
+		sum, err := pool.Drain(dctx)
+		if err != nil {
+			t.Fatalf("drain %s: %v", name, err)
+		}
+		return sum, reg, logs.String()
+	}
+
+	sum, reg, logs := drain("refused-claim")
+	for _, id := range ids[1:] {
+		if r := receipt(t, db, id); r.State != "succeeded" {
+			t.Fatalf("receipt %d is %s: a receipt whose claim is refused stopped the others", id, r.State)
+		}
+	}
+	if r := receipt(t, db, bad); r.State != "outcome_unknown" || r.LeaseOwner != "" {
+		t.Fatalf("refused receipt %+v: want it untouched", r)
+	}
+	if sum.Refused != 1 || total(sum.Settled) != 5 {
+		t.Fatalf("summary %+v, want 5 settled and 1 refused", sum)
+	}
+	if n := labelled(t, reg, "reconciler_writes_refused_total", map[string]string{"statement": "claim", "sqlstate_class": "P0"}); n != 1 {
+		t.Fatalf(`reconciler_writes_refused_total{statement="claim",sqlstate_class="P0"} = %v, want 1 (refused once, then left out)`, n)
+	}
+	line := logLine(t, logs, "claim refused by the database; the receipt is left out of claims for a while", bad)
+	if line["level"] != "ERROR" || line["sqlstate"] != "P0001" || line["hint"] == nil || line["retry_at"] == nil {
+		t.Fatalf("log line %v: want an ERROR naming the SQLSTATE, a hint and when it is tried again", line)
+	}
+
+	// Once the refusal is gone, the receipt is claimed and settled like any.
+	if _, err := db.Exec(ctx, `DROP TRIGGER refuse_claim ON reconciler.receipts`); err != nil {
+		t.Fatal(err)
+	}
+	if sum, _, _ := drain("after-the-fix"); sum.Refused != 0 || receipt(t, db, bad).State != "succeeded" {
+		t.Fatalf("after the trigger was dropped: summary %+v, receipt %+v; want it settled", sum, receipt(t, db, bad))
+	}
+}

@@ -207,6 +207,8 @@ func TestPlansAtAMillionReceipts(t *testing.T) {
 	if err != nil || len(small) != 8 {
 		t.Fatalf("small claim: %d rows, %v", len(small), err)
 	}
+	// (Taken now: the EXPLAINs below run through the same tracer.)
+	claimStmt := rec.find(t, "SET state = 'reconciling'")
 	orphans, err := store.SweepOrphans(ctx, now, 5*time.Minute, 512, 0)
 	if err != nil || len(orphans) != scaleRows/1000 {
 		t.Fatalf("sweep: %d rows, %v", len(orphans), err)
@@ -243,6 +245,51 @@ func TestPlansAtAMillionReceipts(t *testing.T) {
 			t.Errorf("%s: %s not used; scans of receipts: %v", c.name, c.index, scans)
 		}
 		t.Logf("%s: %v", c.name, scans)
+	}
+
+	// The claim's filters for receipts whose claim the database refused:
+	// leaving 100 of them out, and claiming 8 of them apart, it still walks
+	// receipts_due and probes the primary key.
+	stmt := claimStmt
+	named := -1
+	for i, a := range stmt.args {
+		if na, ok := a.(pgx.NamedArgs); ok && na["due_by"] != nil {
+			named = i
+		}
+	}
+	if named < 0 || !strings.Contains(stmt.sql, "@skip::bigint[] IS NULL") || !strings.Contains(stmt.sql, "@only::bigint[] IS NULL") {
+		t.Fatalf("the claim no longer takes @skip and @only as named arguments:\n%s", stmt.sql)
+	}
+	rows, err := db.Query(ctx, `SELECT id FROM reconciler.receipts WHERE state = 'outcome_unknown' ORDER BY next_check_at LIMIT 100`)
+	if err != nil {
+		t.Fatal(err)
+	}
+	due, err := pgx.CollectRows(rows, pgx.RowTo[int64])
+	if err != nil || len(due) != 100 {
+		t.Fatalf("due rows: %d, %v", len(due), err)
+	}
+	for _, v := range []struct {
+		name       string
+		skip, only []int64
+	}{{"claim leaving 100 out", due, nil}, {"claim of 8 apart", nil, due[:8]}} {
+		args := slices.Clone(stmt.args)
+		na := pgx.NamedArgs{"skip": v.skip, "only": v.only}
+		for k, a := range args[named].(pgx.NamedArgs) {
+			if k != "skip" && k != "only" {
+				na[k] = a
+			}
+		}
+		args[named] = na
+		var scans []string
+		explain(t, db, traced{sql: stmt.sql, args: args}).walk(func(n planNode) {
+			if n.Relation == "receipts" {
+				scans = append(scans, fmt.Sprintf("%s %s", n.NodeType, n.IndexName))
+			}
+		})
+		if !slices.Contains(scans, "Index Scan receipts_pkey") || slices.Contains(scans, "Seq Scan ") {
+			t.Errorf("%s: scans of receipts %v, want an index walk and receipts_pkey", v.name, scans)
+		}
+		t.Logf("%s: %v", v.name, scans)
 	}
 }
 

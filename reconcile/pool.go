@@ -227,6 +227,9 @@ type Pool struct {
 	// refusals are the statements the database refuses as such (a
 	// privilege, the schema): claims back off while complete is one.
 	refusals refusals
+	// unclaimable are the receipts whose claim the database refused for
+	// their own sake, left out of claims for a while (claimRefused).
+	unclaimable unclaimable
 
 	skewMu     sync.Mutex
 	skewWarned time.Time
@@ -322,7 +325,9 @@ type Summary struct {
 	// Refused counts outcomes the database refused permanently even in
 	// their minimal form: not settled; their rows were released with their
 	// next check pushed (counted in Waiting too) or, if even that was
-	// refused, left to their lease's expiry. Each is logged at ERROR.
+	// refused, left to their lease's expiry. It also counts receipts whose
+	// claim the database refused for their own sake, left out of claims
+	// for a while. Each is logged at ERROR.
 	Refused int
 	// Deferred counts checks the Gate refused (rescheduled).
 	Deferred int
@@ -603,7 +608,7 @@ func (s *session) claimLoop(once bool, wake <-chan struct{}) error {
 		// could commit leases this process would never hear of, leaving
 		// rows held until their lease expires.
 		claimCtx, cancel := context.WithTimeout(context.WithoutCancel(s.stop), 30*time.Second)
-		rows, err := p.store.ClaimAt(claimCtx, dueBy, now, limit, cfg.Lease)
+		rows, err := s.claim(claimCtx, dueBy, now, limit)
 		cancel()
 		if err != nil {
 			if s.stop.Err() != nil {
@@ -810,6 +815,142 @@ func (s *session) waitSpace() {
 	select {
 	case <-s.space:
 	case <-s.stop.Done():
+	}
+}
+
+// claim leases up to limit rows due by dueBy, leaving out the receipts
+// whose claim the database refused. If it refuses this claim for one
+// row's sake (a row-level SQLSTATE: a trigger's RAISE, a constraint),
+// retrying it would fail alike forever, and since the claim takes rows in
+// due order, the refused receipt would stop every row behind it: the
+// candidates are claimed apart instead, the batch split in halves down to
+// the receipts refused on their own, which are reported (claimRefused)
+// and left out of claims for a while. A transient failure, or a refusal of
+// the statement itself, is returned as before.
+func (s *session) claim(ctx context.Context, dueBy, now time.Time, limit int) ([]Claimed, error) {
+	p := s.p
+	args := claimArgs{dueBy: dueBy, now: now, limit: limit, lease: p.cfg.Lease, skip: p.unclaimable.skip(now)}
+	rows, err := p.store.claim(ctx, args)
+	if err == nil || classifyDB(err) != dbRowRefused {
+		p.unclaimable.forget(rows)
+		return rows, err
+	}
+	ids, derr := p.store.due(ctx, dueBy, limit, args.skip)
+	if derr != nil {
+		return nil, derr
+	}
+	rows = s.claimApart(ctx, args, ids)
+	p.unclaimable.forget(rows)
+	return rows, nil
+}
+
+// claimApart claims the rows ids alone, splitting on a row-level refusal
+// down to the receipts refused on their own (claimRefused). A transient
+// failure ends it with the rows claimed so far (the next claim meets it
+// again).
+func (s *session) claimApart(ctx context.Context, args claimArgs, ids []int64) []Claimed {
+	if len(ids) == 0 {
+		return nil
+	}
+	args.only, args.limit = ids, len(ids)
+	rows, err := s.p.store.claim(ctx, args)
+	switch {
+	case err == nil:
+		return rows
+	case classifyDB(err) != dbRowRefused:
+		s.dbError("claim", err)
+		return nil
+	case len(ids) == 1:
+		s.claimRefused(ids[0], err, args.now)
+		return nil
+	}
+	half := len(ids) / 2
+	rows = s.claimApart(ctx, args, ids[:half])
+	if ctx.Err() != nil {
+		return rows
+	}
+	return append(rows, s.claimApart(ctx, args, ids[half:])...)
+}
+
+// claimRefused reports a receipt whose claim the database refused for its
+// own sake: an ERROR naming it, the SQLSTATE and what to do, the count by
+// statement and SQLSTATE class, and the receipt left out of claims until
+// its time (unclaimable). Nothing was written: it stays as it was.
+func (s *session) claimRefused(id int64, err error, now time.Time) {
+	p := s.p
+	until := p.unclaimable.add(id, now)
+	if p.m != nil {
+		p.m.WritesRefused.WithLabelValues("claim", sqlStateClass(err)).Inc()
+	}
+	s.mu.Lock()
+	s.summary.Refused++
+	s.mu.Unlock()
+	p.log.Error("claim refused by the database; the receipt is left out of claims for a while",
+		"receipt_id", id, "statement", "claim", "sqlstate", sqlState(err), "error", refusal(err),
+		"hint", refusalHint(err), "retry_at", until)
+}
+
+// unclaimable are receipts whose claim the database refused for their own
+// sake. Each is left out of claims for WriteRefusedRetry, doubling with
+// each refusal in a row up to MaxUnclaimablePause, and forgotten once a
+// claim takes it. Safe for concurrent use.
+type unclaimable struct {
+	mu sync.Mutex
+	by map[int64]unclaimableRow
+}
+
+type unclaimableRow struct {
+	until   time.Time
+	strikes int
+}
+
+// MaxUnclaimablePause bounds how long a receipt whose claim the database
+// refused is left out of claims before it is tried again.
+const MaxUnclaimablePause = time.Hour
+
+// add records a refusal of id's claim at now and returns when it is tried
+// again.
+func (u *unclaimable) add(id int64, now time.Time) time.Time {
+	u.mu.Lock()
+	defer u.mu.Unlock()
+	if u.by == nil {
+		u.by = map[int64]unclaimableRow{}
+	}
+	r := u.by[id]
+	wait := WriteRefusedRetry
+	for i := 0; i < r.strikes && wait < MaxUnclaimablePause; i++ {
+		wait *= 2
+	}
+	r.strikes++
+	r.until = now.Add(min(wait, MaxUnclaimablePause))
+	u.by[id] = r
+	return r.until
+}
+
+// skip returns the receipts to leave out of a claim at now (nil: none).
+func (u *unclaimable) skip(now time.Time) []int64 {
+	u.mu.Lock()
+	defer u.mu.Unlock()
+	var ids []int64
+	for id, r := range u.by {
+		switch {
+		case now.Before(r.until):
+			ids = append(ids, id)
+		case now.Sub(r.until) > MaxUnclaimablePause:
+			// Settled by someone else, or quiet long enough: its next
+			// refusal starts the doubling over.
+			delete(u.by, id)
+		}
+	}
+	return ids
+}
+
+// forget drops the receipts a claim took: their refusal is over.
+func (u *unclaimable) forget(rows []Claimed) {
+	u.mu.Lock()
+	defer u.mu.Unlock()
+	for _, c := range rows {
+		delete(u.by, c.ID)
 	}
 }
 

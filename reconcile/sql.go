@@ -15,41 +15,51 @@ import "strconv"
 // stamp submitted_at, unknown_since and updated_at with (SPEC §5a, "one
 // clock"); the host's wall clock is never compared with a stored time.
 
-// sqlClaim leases up to $2 due rows in one statement: outcome_unknown rows,
-// and reconciling rows whose wait or lease is over. A claimed row's
-// next_check_at is set to its lease expiry, so a row whose holder crashed
-// becomes due again on the same index exactly when its lease runs out.
-// Moving outcome_unknown → reconciling records a history event through the
-// statement trigger; re-leasing a reconciling row changes no state and
-// records none. "id = ANY(ARRAY(...))" rather than a join keeps the update
-// on the primary key: with a join the planner hashes the whole table once
-// the table is large enough to mis-estimate.
+// sqlDue selects up to @limit due rows, in due order: outcome_unknown
+// rows, and reconciling rows whose wait or lease is over, by @due_by. The
+// rows in @skip (NULL: none) are left out: receipts whose claim the
+// database refused for their own sake, which must not stop the rest. With
+// @only (NULL: any), only those rows: the claim that isolates such a
+// receipt. Both filters fold away at planning when NULL (the claim runs
+// with CacheDescribe, so each is planned for its values).
+const sqlDue = `
+    SELECT id FROM reconciler.receipts
+    WHERE state IN ('outcome_unknown', 'reconciling')
+      AND next_check_at <= @due_by
+      AND (lease_expires_at IS NULL OR lease_expires_at <= @due_by)
+      AND (@skip::bigint[] IS NULL OR id <> ALL (@skip::bigint[]))
+      AND (@only::bigint[] IS NULL OR id = ANY (@only::bigint[]))
+    ORDER BY next_check_at
+    LIMIT @limit`
+
+// sqlClaim leases the rows sqlDue selects, in one statement. A claimed
+// row's next_check_at is set to its lease expiry, so a row whose holder
+// crashed becomes due again on the same index exactly when its lease runs
+// out. Moving outcome_unknown → reconciling records a history event
+// through the statement trigger; re-leasing a reconciling row changes no
+// state and records none. "id = ANY(ARRAY(...))" rather than a join keeps
+// the update on the primary key: with a join the planner hashes the whole
+// table once the table is large enough to mis-estimate.
 //
 // The claim also returns the send deadline (submitted_at + max_send_delay),
 // unknown_since (the bounds of the checks run from it), and the late
 // outcomes the agent recorded for the row (reconciler.late_outcomes, one
 // index probe per claimed row inside this statement: no extra round trip).
 //
-// $1 due-by cut-off, $2 limit, $3 actor, $4 claim detail, $5 lease token,
-// $6 lease expiry (the claim's time plus the lease: a row claimed late in a
-// long drain still gets a full lease).
+// @actor and @detail are the claim's history event; @token the lease
+// token; @expires the lease expiry (the claim's time plus the lease: a row
+// claimed late in a long drain still gets a full lease).
 const sqlClaim = `
-WITH due AS (
-    SELECT id FROM reconciler.receipts
-    WHERE state IN ('outcome_unknown', 'reconciling')
-      AND next_check_at <= $1
-      AND (lease_expires_at IS NULL OR lease_expires_at <= $1)
-    ORDER BY next_check_at
-    LIMIT $2
+WITH due AS (` + sqlDue + `
     FOR UPDATE SKIP LOCKED
 )
 UPDATE reconciler.receipts r
 SET state = 'reconciling',
-    state_actor = CASE WHEN r.state = 'outcome_unknown' THEN $3 ELSE r.state_actor END,
-    state_detail = CASE WHEN r.state = 'outcome_unknown' THEN $4::jsonb ELSE r.state_detail END,
-    lease_owner = $5,
-    lease_expires_at = $6,
-    next_check_at = $6,
+    state_actor = CASE WHEN r.state = 'outcome_unknown' THEN @actor ELSE r.state_actor END,
+    state_detail = CASE WHEN r.state = 'outcome_unknown' THEN @detail::jsonb ELSE r.state_detail END,
+    lease_owner = @token,
+    lease_expires_at = @expires,
+    next_check_at = @expires,
     wait_count = CASE WHEN r.state = 'outcome_unknown' THEN 0 ELSE r.wait_count END
 WHERE r.id = ANY (ARRAY(SELECT id FROM due))
 RETURNING r.id, r.idempotency_key, r.operation, r.dependency, r.method, r.target, r.fingerprint,

@@ -83,12 +83,28 @@ func (s *Store) Claim(ctx context.Context, now time.Time, limit int, lease time.
 // drain keeps dueBy at its start, so it ends, while every row it claims
 // late still gets a full lease.
 func (s *Store) ClaimAt(ctx context.Context, dueBy, now time.Time, limit int, lease time.Duration) ([]Claimed, error) {
-	if limit <= 0 {
+	return s.claim(ctx, claimArgs{dueBy: dueBy, now: now, limit: limit, lease: lease})
+}
+
+// claimArgs narrow a claim (sqlDue): skip leaves rows out, only (when not
+// nil) claims none but those.
+type claimArgs struct {
+	dueBy, now time.Time
+	limit      int
+	lease      time.Duration
+	skip, only []int64
+}
+
+// claim is ClaimAt with the rows to leave out or to claim alone.
+func (s *Store) claim(ctx context.Context, a claimArgs) ([]Claimed, error) {
+	if a.limit <= 0 {
 		return nil, nil
 	}
 	token := s.instance + "/" + s.nonce + "/" + strconv.FormatUint(s.seq.Add(1), 10)
-	expires := now.Add(lease)
-	rows, err := s.pool.Query(ctx, sqlClaim, pgx.QueryExecModeCacheDescribe, dueBy, limit, string(s.actor), s.claimDetail, token, expires)
+	expires := a.now.Add(a.lease)
+	rows, err := s.pool.Query(ctx, sqlClaim, pgx.QueryExecModeCacheDescribe, pgx.NamedArgs{
+		"due_by": a.dueBy, "limit": a.limit, "skip": a.skip, "only": a.only,
+		"actor": string(s.actor), "detail": s.claimDetail, "token": token, "expires": expires})
 	if err != nil {
 		return nil, fmt.Errorf("reconcile: claim: %w", err)
 	}
@@ -110,6 +126,22 @@ func (s *Store) ClaimAt(ctx context.Context, dueBy, now time.Time, limit int, le
 		return nil, fmt.Errorf("reconcile: claim: %w", err)
 	}
 	return out, nil
+}
+
+// due returns the ids of up to limit rows due by dueBy, in due order,
+// leaving out skip, without claiming them: the candidates of a claim the
+// database refused, to be claimed apart.
+func (s *Store) due(ctx context.Context, dueBy time.Time, limit int, skip []int64) ([]int64, error) {
+	rows, err := s.pool.Query(ctx, sqlDue, pgx.QueryExecModeCacheDescribe, pgx.NamedArgs{
+		"due_by": dueBy, "limit": limit, "skip": skip, "only": nil})
+	if err != nil {
+		return nil, fmt.Errorf("reconcile: due rows: %w", err)
+	}
+	ids, err := pgx.CollectRows(rows, pgx.RowTo[int64])
+	if err != nil {
+		return nil, fmt.Errorf("reconcile: due rows: %w", err)
+	}
+	return ids, nil
 }
 
 // Renew extends to expires the leases of the rows ids, each still held by

@@ -473,6 +473,7 @@ func printSummary(w io.Writer, s reconcile.Summary) {
 	fmt.Fprintf(w, "duplicates=%d\n", s.Duplicates)
 	fmt.Fprintf(w, "check_errors=%d\n", s.CheckErrors)
 	fmt.Fprintf(w, "lease_lost=%d\n", s.LeaseLost)
+	fmt.Fprintf(w, "refused=%d\n", s.Refused)
 	fmt.Fprintf(w, "database_errors=%d\n", s.DBErrors)
 }
 
