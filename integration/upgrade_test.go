@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"io/fs"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -13,6 +14,7 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/pressly/goose/v3"
 
@@ -514,6 +516,14 @@ func TestDowngradeAndUpgradeWithReceipts(t *testing.T) {
 	ids := seedFlight(t, db, "round")
 	intactHistories(t, db)
 	before := snapshot(t, db)
+	// What each Down removes with its rows: the gateway's replay cache
+	// and webhook queue, and the waits counted since a receipt became
+	// outcome_unknown. Receipts and history are never among them.
+	loses := map[string]string{
+		"00010_webhooks.sql":   "table webhook_deliveries, table webhook_receipts",
+		"00009_gateway.sql":    "table gateway_responses",
+		"00006_wait_count.sql": "column receipts.wait_count",
+	}
 	step := func(what string, f func() (*goose.MigrationResult, error)) {
 		t.Helper()
 		cols := columns(t, db)
@@ -521,15 +531,30 @@ func TestDowngradeAndUpgradeWithReceipts(t *testing.T) {
 		if err != nil {
 			t.Fatalf("%s with receipts: %v", what, err)
 		}
-		var dropped []string
-		for c := range columns(t, db) {
-			delete(cols, c)
+		now := columns(t, db)
+		tables := map[string]bool{}
+		for c := range now {
+			tables[strings.Split(c, ".")[0]] = true
 		}
+		var gone []string
 		for c := range cols {
-			dropped = append(dropped, c)
+			if now[c] {
+				continue
+			}
+			table := strings.Split(c, ".")[0]
+			what := "table " + table
+			if tables[table] {
+				what = "column " + c
+			}
+			if !slices.Contains(gone, what) {
+				gone = append(gone, what)
+			}
 		}
-		t.Logf("%s %s (%s)%s", what, res.Source.Path, res.Duration.Round(time.Millisecond),
-			map[bool]string{true: "; removes " + strings.Join(dropped, ", "), false: ""}[len(dropped) > 0])
+		slices.Sort(gone)
+		t.Logf("%s %s (%s); removes: %v", what, res.Source.Path, res.Duration.Round(time.Millisecond), gone)
+		if want := map[bool]string{true: loses[res.Source.Path]}[what == "down"]; strings.Join(gone, ", ") != want {
+			t.Errorf("%s %s removes %q, want %q", what, res.Source.Path, strings.Join(gone, ", "), want)
+		}
 		sameLedger(t, what+" "+res.Source.Path, before, snapshot(t, db))
 		intactHistories(t, db)
 		v, err := p.GetDBVersion(ctx)
@@ -781,4 +806,109 @@ func TestMigrationWhileAgentsWrite(t *testing.T) {
 		}
 	}
 	intactHistories(t, db)
+}
+
+// waitingForLock reports whether a backend of the test's database waits
+// for a lock, among those of application app (or, with others, among the
+// rest).
+func waitingForLock(t *testing.T, db *pgxpool.Pool, app string, others bool) bool {
+	t.Helper()
+	var n int
+	if err := db.QueryRow(context.Background(), `SELECT count(*) FROM pg_stat_activity
+		WHERE datname = current_database() AND wait_event_type = 'Lock' AND (application_name = $1) <> $2`,
+		app, others).Scan(&n); err != nil {
+		t.Fatal(err)
+	}
+	return n > 0
+}
+
+// A transaction that read receipts and stays open (a report, a psql
+// session left in BEGIN) holds a lock the migration's DDL on receipts must
+// wait for, and Postgres queues every agent's next write behind the
+// waiting migration. Without a lock timeout the agents stall for as long
+// as that transaction lasts; with one (what `reconciler migrate up
+// --lock-timeout` sets, 5 s by default) the migration gives up, rolled
+// back, and the agents go on while the transaction is still open.
+func TestAgentsQueueBehindAWaitingMigration(t *testing.T) {
+	for _, tc := range []struct {
+		name        string
+		lockTimeout time.Duration
+	}{{"without lock timeout", 0}, {"with lock timeout", time.Second}} {
+		t.Run(strings.ReplaceAll(tc.name, " ", "_"), func(t *testing.T) {
+			ctx := context.Background()
+			url := pgtest.NewEmptyDatabase(t)
+			db := pgtest.Pool(t, url)
+			const app = "upgrade-migrate"
+			murl := withParam(url, "application_name="+app)
+			if tc.lockTimeout > 0 {
+				murl = withParam(murl, fmt.Sprintf("lock_timeout=%d", tc.lockTimeout.Milliseconds()))
+			}
+			p := provider(t, pgtest.Pool(t, murl))
+			if _, err := p.UpTo(ctx, 10); err != nil {
+				t.Fatal(err)
+			}
+			reader, err := db.Begin(ctx)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer reader.Rollback(ctx)
+			if _, err := reader.Exec(ctx, `SELECT count(*) FROM reconciler.receipts`); err != nil {
+				t.Fatal(err)
+			}
+			migrated := make(chan error, 1)
+			go func() {
+				_, err := p.Up(ctx)
+				migrated <- err
+			}()
+			waitUntil(t, "the migration waiting for the reader's lock", func() bool { return waitingForLock(t, db, app, false) })
+
+			agent, err := ledger.New(db, "agent:queued")
+			if err != nil {
+				t.Fatal(err)
+			}
+			recorded := make(chan error, 1)
+			start := time.Now()
+			var took time.Duration
+			go func() {
+				_, err := agent.PlanAndSubmit(ctx, flightIntent("queued", "call"))
+				took = time.Since(start)
+				recorded <- err
+			}()
+			if tc.lockTimeout == 0 {
+				waitUntil(t, "the agent queued behind the migration", func() bool { return waitingForLock(t, db, app, true) })
+				held := time.Now()
+				if err := reader.Rollback(ctx); err != nil {
+					t.Fatal(err)
+				}
+				if err := <-migrated; err != nil {
+					t.Fatalf("migrate up once the reader ended: %v", err)
+				}
+				if err := <-recorded; err != nil {
+					t.Fatal(err)
+				}
+				t.Logf("the agent's call waited %s behind the migration, %s of it while the reader held its lock",
+					took.Round(time.Millisecond), held.Sub(start).Round(time.Millisecond))
+				return
+			}
+			err = <-migrated
+			var pe *pgconn.PgError
+			if !errors.As(err, &pe) || pe.Code != "55P03" {
+				t.Fatalf("migrate up behind the reader with lock_timeout %s: %v, want lock_not_available (55P03)", tc.lockTimeout, err)
+			}
+			if err := <-recorded; err != nil {
+				t.Fatal(err)
+			}
+			t.Logf("the migration gave up after %s; the agent's call took %s, the reader still open", tc.lockTimeout, took.Round(time.Millisecond))
+			if v, err := p.GetDBVersion(ctx); err != nil || v != 10 {
+				t.Fatalf("schema at %d (%v) after the refused migration, want 10", v, err)
+			}
+			if err := reader.Rollback(ctx); err != nil {
+				t.Fatal(err)
+			}
+			if _, err := p.Up(ctx); err != nil {
+				t.Fatalf("migrate up again once the reader ended: %v", err)
+			}
+			intactHistories(t, db)
+		})
+	}
 }
