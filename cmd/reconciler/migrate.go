@@ -3,6 +3,7 @@ package main
 import (
 	"errors"
 	"fmt"
+	"strconv"
 	"time"
 
 	"github.com/jackc/pgx/v5/pgconn"
@@ -18,7 +19,20 @@ func migrateCommand() *cli.Command {
 	// its error into the command's one-line failure.
 	withProvider := func(c *cli.Context, f func(p *goose.Provider) error) error {
 		cmd := "migrate " + c.Command.Name
-		pool, err := pgxpool.New(c.Context, c.String("database-url"))
+		cfg, err := pgxpool.ParseConfig(c.String("database-url"))
+		if err != nil {
+			return cli.Exit(fmt.Sprintf("%s: %v", cmd, err), 1)
+		}
+		// A migration's DDL queues for its lock on receipts behind any
+		// open transaction that touched them, and every agent's next move
+		// queues behind the migration: so it gives up after lock-timeout
+		// (rolled back, nothing half-applied) rather than stall the
+		// ledger for as long as that transaction lasts. A lock_timeout in
+		// the URL stands unless the flag is given.
+		if _, inURL := cfg.ConnConfig.RuntimeParams["lock_timeout"]; c.IsSet("lock-timeout") || !inURL {
+			cfg.ConnConfig.RuntimeParams["lock_timeout"] = strconv.FormatInt(c.Duration("lock-timeout").Milliseconds(), 10)
+		}
+		pool, err := pgxpool.NewWithConfig(c.Context, cfg)
 		if err != nil {
 			return cli.Exit(fmt.Sprintf("%s: %v", cmd, err), 1)
 		}
@@ -37,9 +51,19 @@ func migrateCommand() *cli.Command {
 			err = f(p)
 		}
 		var pe *pgconn.PgError
+		var partial *goose.PartialError
 		switch {
 		case err == nil:
 			return nil
+		case errors.As(err, &pe) && pe.Code == "55P03": // lock_not_available
+			which := "the migration"
+			if errors.As(err, &partial) && partial.Failed != nil && partial.Failed.Source != nil {
+				which = partial.Failed.Source.Path
+			}
+			return cli.Exit(fmt.Sprintf("%s: %s waited longer than --lock-timeout %s for a lock (%s) and was rolled back, "+
+				"so agents did not wait behind it; a long transaction holds the ledger's tables (see pg_stat_activity): "+
+				"run it again once that transaction ends, or pass a longer --lock-timeout (0 waits as long as it takes, "+
+				"and every agent waits too)", cmd, which, c.Duration("lock-timeout"), pe.Message), 1)
 		case errors.As(err, &pe) && pe.Code == "42501": // insufficient_privilege
 			return cli.Exit(fmt.Sprintf("%s: permission denied: login %q may not change the schema; "+
 				"migrate as the owner of the reconciler schema (the role that first ran `reconciler migrate up`), "+
@@ -59,7 +83,7 @@ func migrateCommand() *cli.Command {
 			{
 				Name:  "up",
 				Usage: "apply every pending migration",
-				Flags: []cli.Flag{databaseURLFlag()},
+				Flags: []cli.Flag{databaseURLFlag(), lockTimeoutFlag()},
 				Action: func(c *cli.Context) error {
 					return withProvider(c, func(p *goose.Provider) error {
 						res, err := p.Up(c.Context)
@@ -87,7 +111,7 @@ func migrateCommand() *cli.Command {
 			{
 				Name:  "down",
 				Usage: "roll back the most recent migration",
-				Flags: []cli.Flag{databaseURLFlag()},
+				Flags: []cli.Flag{databaseURLFlag(), lockTimeoutFlag()},
 				Action: func(c *cli.Context) error {
 					return withProvider(c, func(p *goose.Provider) error {
 						res, err := p.Down(c.Context)
@@ -133,5 +157,19 @@ func migrateCommand() *cli.Command {
 				},
 			},
 		},
+	}
+}
+
+// defaultLockTimeout is how long `migrate up` and `migrate down` wait for
+// each lock before they give up: long enough for the moves agents and the
+// reconciler make (milliseconds), short enough that agents queued behind
+// a migration waiting on a long transaction are not stalled for long.
+const defaultLockTimeout = 5 * time.Second
+
+func lockTimeoutFlag() *cli.DurationFlag {
+	return &cli.DurationFlag{
+		Name:  "lock-timeout",
+		Value: defaultLockTimeout,
+		Usage: "give up (and roll back) a migration that waits longer than this for a lock; agents queue behind it meanwhile (0: wait as long as it takes)",
 	}
 }
