@@ -326,6 +326,21 @@ func (g *Gateway) proxy(w http.ResponseWriter, r *http.Request) {
 		// anything is sent: no crash after the call can lose it.
 		in.Webhook = route.Name
 	}
+	// A key is its agent's own: another agent's reuse of it must neither
+	// learn of that call nor, once it may be retried, send its next
+	// attempt. (A key first used by another agent between this check and
+	// the call is caught by replay's; its next attempt could only follow
+	// a settlement in that window.)
+	switch owner, err := g.store.keyOwner(r.Context(), key); {
+	case err != nil:
+		g.log.Error("reading a key's owner failed, nothing sent", "route", route.Name, "agent", c.agent, "error", err)
+		g.metrics.request(route.Name, outcomeError)
+		writeProblem(w, newProblem(ProblemLedger, "the ledger could not be read, so nothing was sent; send the call again with the same Idempotency-Key"))
+		return
+	case owner != "" && owner != c.agent:
+		g.refuse(w, route.Name, newProblem(ProblemKeyReused, "this Idempotency-Key names another agent's call"))
+		return
+	}
 	caller := &ledger.Caller{Ledger: g.ledger.As(statemachine.Actor(c.agent)), HTTP: g.clients[route],
 		ExternalID: route.ExternalID, MaxResponseBytes: g.cfg.MaxResponseBytes}
 	// The call outlives the agent's connection: its outcome is recorded
@@ -557,6 +572,16 @@ func (g *Gateway) settledOtherwise(w http.ResponseWriter, r *http.Request, c *ca
 // nothing is sent upstream.
 func (g *Gateway) replay(w http.ResponseWriter, r *http.Request, c *call, rc *ledger.Receipt) {
 	name := c.route.Name
+	owner, err := g.store.owner(r.Context(), rc.ID)
+	if err != nil {
+		g.log.Error("reading a receipt's owner failed", "route", name, "receipt_id", rc.ID, "error", err)
+		writeProblem(w, newProblem(ProblemLedger, "the ledger could not be read; send the call again with the same Idempotency-Key"))
+		return
+	}
+	if owner != c.agent {
+		g.refuse(w, name, newProblem(ProblemKeyReused, "this Idempotency-Key names another agent's call"))
+		return
+	}
 	g.metrics.replay(name, string(rc.State))
 	w.Header().Set(HeaderReplayed, "true")
 	switch rc.State {
@@ -564,10 +589,6 @@ func (g *Gateway) replay(w http.ResponseWriter, r *http.Request, c *call, rc *le
 		kept, err := g.store.lookup(r.Context(), rc.ID)
 		if err != nil {
 			g.log.Warn("reading a kept response failed", "route", name, "receipt_id", rc.ID, "error", err)
-		}
-		if kept != nil && kept.Agent != c.agent {
-			g.refuse(w, name, newProblem(ProblemKeyReused, "this Idempotency-Key names another agent's call"))
-			return
 		}
 		setReceipt(w.Header(), rc)
 		if kept != nil && kept.Body != nil {

@@ -255,7 +255,7 @@ func TestUnknownOutcomeWaitAndSettle(t *testing.T) {
 		t.Fatalf("same key while unknown: %d %+v, upstream %d", again.status, p2, up.count("/api/fail504"))
 	}
 	// Not waiting: the receipt as it stands.
-	now := e.do(t, "GET", "/receipts/"+strconv.FormatInt(p.ReceiptID, 10), "", "Authorization", "Bearer "+tokenB)
+	now := e.do(t, "GET", "/receipts/"+strconv.FormatInt(p.ReceiptID, 10), "", "Authorization", "Bearer "+tokenA)
 	var doc gateway.ReceiptDoc
 	if err := json.Unmarshal(now.body, &doc); err != nil || doc.Settled || doc.Next != gateway.RetryAfterSettlement {
 		t.Fatalf("receipt: %d %s", now.status, now.body)
