@@ -38,6 +38,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/receiptledger/reconciler/internal/redact"
 	"github.com/receiptledger/reconciler/ledger"
 	"github.com/receiptledger/reconciler/statemachine"
 )
@@ -435,6 +436,10 @@ func (g *Gateway) upstreamRequest(r *http.Request, route *Route, rest string, fr
 	}
 	up.Header = r.Header.Clone()
 	stripHop(up.Header)
+	// The transport asks for gzip itself and decompresses: a body the
+	// agent's Accept-Encoding had compressed could not be classified, its
+	// external id read, nor a credential echoed in it removed.
+	up.Header.Del("Accept-Encoding")
 	if !route.PassAuthorization || from == fromAuthorization {
 		up.Header.Del("Authorization")
 	}
@@ -471,17 +476,37 @@ func (g *Gateway) passThrough(w http.ResponseWriter, c *call, up *http.Request) 
 		return
 	}
 	g.metrics.request(c.route.Name, outcomePassthrough)
-	writeUpstream(w, resp.StatusCode, resp.Header, body)
+	writeUpstream(w, c.route.redactor, resp.StatusCode, resp.Header, body)
 	g.metrics.addedLatency(c.route.Name, c.added())
 }
 
-// writeUpstream writes an upstream response to the agent.
-func writeUpstream(w http.ResponseWriter, status int, h http.Header, body []byte) {
-	out := w.Header()
-	for k, vs := range h {
-		out[k] = append([]string(nil), vs...)
+// gatewayHeaders are the response headers only the gateway writes: an
+// upstream's own are dropped, so it cannot speak for the ledger.
+func gatewayHeaders() []string {
+	return []string{HeaderReceiptID, HeaderReceiptState, HeaderReceiptRetryable, HeaderReplayed}
+}
+
+// writeUpstream writes an upstream response to the agent: its headers
+// without hop-by-hop ones (stripped from a copy, so a Connection header
+// naming the gateway's own cannot remove them) and without the gateway's
+// own, and every form of the route's credential removed from headers and
+// body (an API may echo it; agents never hold it).
+func writeUpstream(w http.ResponseWriter, red *redact.Redactor, status int, h http.Header, body []byte) {
+	up := h.Clone()
+	stripHop(up)
+	for _, name := range gatewayHeaders() {
+		up.Del(name)
 	}
-	stripHop(out)
+	out := w.Header()
+	for k, vs := range up {
+		for i, v := range vs {
+			vs[i] = red.String(v)
+		}
+		out[k] = vs
+	}
+	if !red.Empty() {
+		body = []byte(red.String(string(body)))
+	}
 	out.Set("Content-Length", strconv.Itoa(len(body)))
 	w.WriteHeader(status)
 	_, _ = w.Write(body)
@@ -500,7 +525,7 @@ func (g *Gateway) answer(w http.ResponseWriter, r *http.Request, c *call, res *l
 	case err == nil:
 		g.metrics.request(name, outcomeSucceeded)
 		setReceipt(w.Header(), res.Receipt)
-		writeUpstream(w, res.Response.StatusCode, res.Response.Header, res.Body)
+		writeUpstream(w, c.route.redactor, res.Response.StatusCode, res.Response.Header, res.Body)
 	case errors.As(err, &dup):
 		pr := newProblem(ProblemDuplicateIntent, fmt.Sprintf("receipt %d holds the same call (%s), and its outcome is not settled: "+
 			"this call is not sent. Wait for that receipt instead of sending it again under another key", dup.Existing.ID, dup.Existing.State))
@@ -545,7 +570,7 @@ func (g *Gateway) settledOtherwise(w http.ResponseWriter, r *http.Request, c *ca
 		// A deterministic refusal (4xx) or a 429: the upstream's answer.
 		g.metrics.request(name, outcomeRejected)
 		setReceipt(w.Header(), rc)
-		writeUpstream(w, res.Response.StatusCode, res.Response.Header, res.Body)
+		writeUpstream(w, c.route.redactor, res.Response.StatusCode, res.Response.Header, res.Body)
 	case rc.State == statemachine.Rejected:
 		g.metrics.request(name, outcomeNotSent)
 		pr := newProblem(ProblemNotSent, "nothing left the gateway ("+code+"): send the call again with the same Idempotency-Key; it becomes the next attempt")
@@ -592,7 +617,7 @@ func (g *Gateway) replay(w http.ResponseWriter, r *http.Request, c *call, rc *le
 		}
 		setReceipt(w.Header(), rc)
 		if kept != nil && kept.Body != nil {
-			writeUpstream(w, kept.Status, kept.Headers, kept.Body)
+			writeUpstream(w, c.route.redactor, kept.Status, kept.Headers, kept.Body)
 			return
 		}
 		if rc.State == statemachine.Succeeded {

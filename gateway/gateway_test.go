@@ -213,14 +213,18 @@ func TestSucceededIsReplayedWithoutSending(t *testing.T) {
 }
 
 // The upstream's credential is injected by the gateway, stripped from
-// what it stores even when the API echoes it, and the agent's token is
-// never forwarded nor stored.
+// what it stores and answers even when the API echoes it, and the agent's
+// token is never forwarded nor stored.
 func TestCredentialsStayInTheGateway(t *testing.T) {
 	up := newFakeUpstream()
 	e := newEnv(t, up, "")
 	a := e.post(t, "/blog/echo", "k-echo", `{"title":"echo"}`)
-	if a.status != http.StatusCreated || !strings.Contains(string(a.body), upstreamKey) {
-		t.Fatalf("echo call: %d %s", a.status, a.body)
+	up.mu.Lock()
+	seen := up.auths[0]
+	up.mu.Unlock()
+	if a.status != http.StatusCreated || seen != "Bearer "+upstreamKey || strings.Contains(string(a.body), upstreamKey) ||
+		strings.Contains(a.header.Get("Location"), upstreamKey) {
+		t.Fatalf("echo call (the API saw %q): %d %v %s", seen, a.status, a.header, a.body)
 	}
 	for _, s := range []string{upstreamKey, tokenA} {
 		if n := e.countText(t, s); n != 0 {
