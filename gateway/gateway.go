@@ -91,6 +91,12 @@ type Gateway struct {
 	clients map[*Route]*http.Client
 	mux     *http.ServeMux
 	hooks   *webhooks
+	// draining ends when Run is told to stop: waits on receipts answer at
+	// once. cut ends when Run's grace period is over: calls still in
+	// flight are canceled, so each records its outcome (outcome_unknown
+	// once a byte left) and answers the agent before Run returns.
+	draining, cut      context.Context
+	drain, cutInFlight context.CancelFunc
 }
 
 // New returns a gateway for cfg that records receipts through client (its
@@ -101,6 +107,8 @@ func New(client *ledger.Client, cfg *Config, opts Options) *Gateway {
 	if g.log == nil {
 		g.log = slog.New(slog.DiscardHandler)
 	}
+	g.draining, g.drain = context.WithCancel(context.Background())
+	g.cut, g.cutInFlight = context.WithCancel(context.Background())
 	tr := opts.Transport
 	if tr == nil {
 		t := http.DefaultTransport.(*http.Transport).Clone()
@@ -131,8 +139,12 @@ func (g *Gateway) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	g.proxy(w, r)
 }
 
-// Run serves h on l until ctx ends, then stops accepting, lets requests in
-// flight finish within grace, and returns. h is the gateway itself when nil;
+// Run serves h on l until ctx ends, then stops accepting, answers waits on
+// receipts at once, lets calls in flight finish within grace, and returns.
+// A call still in flight when grace is over is canceled: it records its
+// outcome (outcome_unknown if any byte left, not_sent otherwise) and
+// answers the agent so, within cutGrace, before Run returns; nothing the
+// gateway could know is left submitted. h is the gateway itself when nil;
 // pass a handler around it to add endpoints (the CLI adds /metrics). Run
 // also deletes expired replay responses, a tenth of the retention apart,
 // and delivers the routes' webhooks (DeliverWebhooks).
@@ -154,13 +166,30 @@ func (g *Gateway) Run(ctx context.Context, l net.Listener, h http.Handler, grace
 		return err
 	case <-ctx.Done():
 	}
+	g.drain()
 	sctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), grace)
 	defer cancel()
-	if err := srv.Shutdown(sctx); err != nil {
+	err := srv.Shutdown(sctx)
+	if err == nil {
+		return nil
+	}
+	if !errors.Is(err, context.DeadlineExceeded) {
 		return fmt.Errorf("gateway: shutdown: %w", err)
 	}
+	g.cutInFlight()
+	cctx, cancelCut := context.WithTimeout(context.WithoutCancel(ctx), cutGrace)
+	defer cancelCut()
+	if err := srv.Shutdown(cctx); err != nil {
+		return fmt.Errorf("gateway: shutdown: calls in flight after %v, cut, were not all recorded within %v: %w", grace, cutGrace, err)
+	}
+	g.log.Warn("shutdown: calls still in flight after the grace period were cut and recorded", "grace", grace)
 	return nil
 }
+
+// cutGrace bounds how long calls cut at the end of the grace period take
+// to record their outcome and answer: a few ledger writes, each bounded
+// by the ledger's settle timeout.
+const cutGrace = 3 * ledger.DefaultSettleTimeout
 
 // expireLoop deletes expired replay responses in batches, every tenth of
 // the retention (between a minute and an hour).
@@ -348,6 +377,8 @@ func (g *Gateway) proxy(w http.ResponseWriter, r *http.Request) {
 	// (and replayed to the agent's next attempt) even if the agent left.
 	ctx, cancel := context.WithTimeout(c.trace(context.WithoutCancel(r.Context())), route.Timeout+time.Minute)
 	defer cancel()
+	// ... unless the gateway stops and its grace period is over (Run).
+	defer context.AfterFunc(g.cut, cancel)()
 	res, err := caller.Do(ctx, in, up.WithContext(ctx))
 	if kept := g.keep(c, res, err); kept != nil {
 		g.record(ctx, c, res.Receipt.ID, kept)

@@ -135,9 +135,15 @@ func (g *Gateway) serveReceipt(w http.ResponseWriter, r *http.Request) {
 	if wait > 0 {
 		ctx, cancel := context.WithTimeout(r.Context(), wait)
 		defer cancel()
+		// A gateway that stops answers its waits at once.
+		defer context.AfterFunc(g.draining, cancel)()
 		rc, err = g.ledger.Await(ctx, id)
-		if rc != nil && errors.Is(err, context.DeadlineExceeded) && r.Context().Err() == nil {
-			err = nil // still unsettled after the wait: say so
+		if ctx.Err() != nil && r.Context().Err() == nil {
+			// Still unsettled after the wait: say so (read again if the
+			// wait ended before its first read).
+			if err = nil; rc == nil {
+				rc, err = g.ledger.Get(r.Context(), id)
+			}
 		}
 	} else {
 		rc, err = g.ledger.Get(r.Context(), id)
