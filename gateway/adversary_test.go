@@ -375,3 +375,51 @@ func newGatewayOn(t *testing.T, db *pgxpool.Pool, routes string) *gateway.Gatewa
 	}
 	return gateway.New(client, cfg, gateway.Options{})
 }
+
+// The same key sent again while its first call is still waiting on the
+// upstream is answered request-in-progress, and sends nothing: the
+// upstream sees exactly one request, and the first call's answer is then
+// replayed.
+func TestSameKeyWhileInFlightSendsOnce(t *testing.T) {
+	release := make(chan struct{})
+	arrived := make(chan struct{}, 8)
+	var hits atomic.Int32
+	e := newEnv(t, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		hits.Add(1)
+		arrived <- struct{}{}
+		<-release
+		w.Header().Set("Content-Type", "application/json")
+		w.WriteHeader(http.StatusCreated)
+		_, _ = w.Write([]byte(`{"id":"slow-1"}`))
+	}), "")
+	first := make(chan answer, 1)
+	go func() { first <- e.post(t, "/blog/articles", "k-slow", `{"title":"s"}`) }()
+	select {
+	case <-arrived:
+	case <-time.After(30 * time.Second):
+		t.Fatal("the first call never reached the upstream")
+	}
+	var wg sync.WaitGroup
+	seconds := make(chan answer, 4)
+	for range 4 {
+		wg.Add(1)
+		go func() { defer wg.Done(); seconds <- e.post(t, "/blog/articles", "k-slow", `{"title":"s"}`) }()
+	}
+	wg.Wait()
+	close(seconds)
+	for a := range seconds {
+		if p := a.problem(t); a.status != http.StatusConflict || p.Type != gateway.ProblemInProgress.URI() || a.header.Get(gateway.HeaderReplayed) != "true" {
+			t.Fatalf("the same key in flight: %d %s", a.status, a.body)
+		}
+	}
+	close(release)
+	if a := <-first; a.status != http.StatusCreated {
+		t.Fatalf("first call: %d %s", a.status, a.body)
+	}
+	if a := e.post(t, "/blog/articles", "k-slow", `{"title":"s"}`); a.status != http.StatusCreated || a.header.Get(gateway.HeaderReplayed) != "true" {
+		t.Fatalf("after it settled: %d %s", a.status, a.body)
+	}
+	if n := hits.Load(); n != 1 {
+		t.Fatalf("the upstream got %d requests, want 1", n)
+	}
+}
