@@ -426,6 +426,9 @@ func compileRoute(ry routeYAML, lookupEnv func(string) (string, bool)) (*Route, 
 		}
 		r.redactor.Add(secret)
 		r.redactor.AddHeader(r.authValue)
+		// Built now, by its first use: String is then safe for the
+		// route's concurrent requests.
+		r.redactor.String(r.authValue)
 	}
 	if ry.Webhook != nil {
 		w, fld, err := compileWebhook(*ry.Webhook, lookupEnv)
@@ -531,16 +534,19 @@ func matchPath(pattern, segs []string) bool {
 }
 
 // hasDotSegment reports whether an escaped path holds a "." or ".."
-// segment, in any encoding: forwarded, it could leave the upstream's base
-// path.
+// segment, in any encoding, also once an encoded slash or backslash in it
+// is taken for a separator (as many servers and frameworks in front of an
+// API do): forwarded, it could leave the upstream's base path.
 func hasDotSegment(escaped string) bool {
 	for _, seg := range strings.Split(escaped, "/") {
 		s, err := url.PathUnescape(seg)
 		if err != nil {
 			return true
 		}
-		if s == "." || s == ".." {
-			return true
+		for _, part := range strings.FieldsFunc(s, func(r rune) bool { return r == '/' || r == '\\' }) {
+			if part == "." || part == ".." {
+				return true
+			}
 		}
 	}
 	return false

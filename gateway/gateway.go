@@ -38,6 +38,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/receiptledger/reconciler/internal/redact"
 	"github.com/receiptledger/reconciler/ledger"
 	"github.com/receiptledger/reconciler/statemachine"
 )
@@ -90,6 +91,12 @@ type Gateway struct {
 	clients map[*Route]*http.Client
 	mux     *http.ServeMux
 	hooks   *webhooks
+	// draining ends when Run is told to stop: waits on receipts answer at
+	// once. cut ends when Run's grace period is over: calls still in
+	// flight are canceled, so each records its outcome (outcome_unknown
+	// once a byte left) and answers the agent before Run returns.
+	draining, cut      context.Context
+	drain, cutInFlight context.CancelFunc
 }
 
 // New returns a gateway for cfg that records receipts through client (its
@@ -100,6 +107,8 @@ func New(client *ledger.Client, cfg *Config, opts Options) *Gateway {
 	if g.log == nil {
 		g.log = slog.New(slog.DiscardHandler)
 	}
+	g.draining, g.drain = context.WithCancel(context.Background())
+	g.cut, g.cutInFlight = context.WithCancel(context.Background())
 	tr := opts.Transport
 	if tr == nil {
 		t := http.DefaultTransport.(*http.Transport).Clone()
@@ -130,8 +139,12 @@ func (g *Gateway) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	g.proxy(w, r)
 }
 
-// Run serves h on l until ctx ends, then stops accepting, lets requests in
-// flight finish within grace, and returns. h is the gateway itself when nil;
+// Run serves h on l until ctx ends, then stops accepting, answers waits on
+// receipts at once, lets calls in flight finish within grace, and returns.
+// A call still in flight when grace is over is canceled: it records its
+// outcome (outcome_unknown if any byte left, not_sent otherwise) and
+// answers the agent so, within cutGrace, before Run returns; nothing the
+// gateway could know is left submitted. h is the gateway itself when nil;
 // pass a handler around it to add endpoints (the CLI adds /metrics). Run
 // also deletes expired replay responses, a tenth of the retention apart,
 // and delivers the routes' webhooks (DeliverWebhooks).
@@ -153,13 +166,30 @@ func (g *Gateway) Run(ctx context.Context, l net.Listener, h http.Handler, grace
 		return err
 	case <-ctx.Done():
 	}
+	g.drain()
 	sctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), grace)
 	defer cancel()
-	if err := srv.Shutdown(sctx); err != nil {
+	err := srv.Shutdown(sctx)
+	if err == nil {
+		return nil
+	}
+	if !errors.Is(err, context.DeadlineExceeded) {
 		return fmt.Errorf("gateway: shutdown: %w", err)
 	}
+	g.cutInFlight()
+	cctx, cancelCut := context.WithTimeout(context.WithoutCancel(ctx), cutGrace)
+	defer cancelCut()
+	if err := srv.Shutdown(cctx); err != nil {
+		return fmt.Errorf("gateway: shutdown: calls in flight after %v, cut, were not all recorded within %v: %w", grace, cutGrace, err)
+	}
+	g.log.Warn("shutdown: calls still in flight after the grace period were cut and recorded", "grace", grace)
 	return nil
 }
+
+// cutGrace bounds how long calls cut at the end of the grace period take
+// to record their outcome and answer: a few ledger writes, each bounded
+// by the ledger's settle timeout.
+const cutGrace = 3 * ledger.DefaultSettleTimeout
 
 // expireLoop deletes expired replay responses in batches, every tenth of
 // the retention (between a minute and an hour).
@@ -326,12 +356,29 @@ func (g *Gateway) proxy(w http.ResponseWriter, r *http.Request) {
 		// anything is sent: no crash after the call can lose it.
 		in.Webhook = route.Name
 	}
+	// A key is its agent's own: another agent's reuse of it must neither
+	// learn of that call nor, once it may be retried, send its next
+	// attempt. (A key first used by another agent between this check and
+	// the call is caught by replay's; its next attempt could only follow
+	// a settlement in that window.)
+	switch owner, err := g.store.keyOwner(r.Context(), key); {
+	case err != nil:
+		g.log.Error("reading a key's owner failed, nothing sent", "route", route.Name, "agent", c.agent, "error", err)
+		g.metrics.request(route.Name, outcomeError)
+		writeProblem(w, newProblem(ProblemLedger, "the ledger could not be read, so nothing was sent; send the call again with the same Idempotency-Key"))
+		return
+	case owner != "" && owner != c.agent:
+		g.refuse(w, route.Name, newProblem(ProblemKeyReused, "this Idempotency-Key names another agent's call"))
+		return
+	}
 	caller := &ledger.Caller{Ledger: g.ledger.As(statemachine.Actor(c.agent)), HTTP: g.clients[route],
 		ExternalID: route.ExternalID, MaxResponseBytes: g.cfg.MaxResponseBytes}
 	// The call outlives the agent's connection: its outcome is recorded
 	// (and replayed to the agent's next attempt) even if the agent left.
 	ctx, cancel := context.WithTimeout(c.trace(context.WithoutCancel(r.Context())), route.Timeout+time.Minute)
 	defer cancel()
+	// ... unless the gateway stops and its grace period is over (Run).
+	defer context.AfterFunc(g.cut, cancel)()
 	res, err := caller.Do(ctx, in, up.WithContext(ctx))
 	if kept := g.keep(c, res, err); kept != nil {
 		g.record(ctx, c, res.Receipt.ID, kept)
@@ -420,6 +467,10 @@ func (g *Gateway) upstreamRequest(r *http.Request, route *Route, rest string, fr
 	}
 	up.Header = r.Header.Clone()
 	stripHop(up.Header)
+	// The transport asks for gzip itself and decompresses: a body the
+	// agent's Accept-Encoding had compressed could not be classified, its
+	// external id read, nor a credential echoed in it removed.
+	up.Header.Del("Accept-Encoding")
 	if !route.PassAuthorization || from == fromAuthorization {
 		up.Header.Del("Authorization")
 	}
@@ -456,17 +507,37 @@ func (g *Gateway) passThrough(w http.ResponseWriter, c *call, up *http.Request) 
 		return
 	}
 	g.metrics.request(c.route.Name, outcomePassthrough)
-	writeUpstream(w, resp.StatusCode, resp.Header, body)
+	writeUpstream(w, c.route.redactor, resp.StatusCode, resp.Header, body)
 	g.metrics.addedLatency(c.route.Name, c.added())
 }
 
-// writeUpstream writes an upstream response to the agent.
-func writeUpstream(w http.ResponseWriter, status int, h http.Header, body []byte) {
-	out := w.Header()
-	for k, vs := range h {
-		out[k] = append([]string(nil), vs...)
+// gatewayHeaders are the response headers only the gateway writes: an
+// upstream's own are dropped, so it cannot speak for the ledger.
+func gatewayHeaders() []string {
+	return []string{HeaderReceiptID, HeaderReceiptState, HeaderReceiptRetryable, HeaderReplayed}
+}
+
+// writeUpstream writes an upstream response to the agent: its headers
+// without hop-by-hop ones (stripped from a copy, so a Connection header
+// naming the gateway's own cannot remove them) and without the gateway's
+// own, and every form of the route's credential removed from headers and
+// body (an API may echo it; agents never hold it).
+func writeUpstream(w http.ResponseWriter, red *redact.Redactor, status int, h http.Header, body []byte) {
+	up := h.Clone()
+	stripHop(up)
+	for _, name := range gatewayHeaders() {
+		up.Del(name)
 	}
-	stripHop(out)
+	out := w.Header()
+	for k, vs := range up {
+		for i, v := range vs {
+			vs[i] = red.String(v)
+		}
+		out[k] = vs
+	}
+	if !red.Empty() {
+		body = []byte(red.String(string(body)))
+	}
 	out.Set("Content-Length", strconv.Itoa(len(body)))
 	w.WriteHeader(status)
 	_, _ = w.Write(body)
@@ -485,7 +556,7 @@ func (g *Gateway) answer(w http.ResponseWriter, r *http.Request, c *call, res *l
 	case err == nil:
 		g.metrics.request(name, outcomeSucceeded)
 		setReceipt(w.Header(), res.Receipt)
-		writeUpstream(w, res.Response.StatusCode, res.Response.Header, res.Body)
+		writeUpstream(w, c.route.redactor, res.Response.StatusCode, res.Response.Header, res.Body)
 	case errors.As(err, &dup):
 		pr := newProblem(ProblemDuplicateIntent, fmt.Sprintf("receipt %d holds the same call (%s), and its outcome is not settled: "+
 			"this call is not sent. Wait for that receipt instead of sending it again under another key", dup.Existing.ID, dup.Existing.State))
@@ -530,7 +601,7 @@ func (g *Gateway) settledOtherwise(w http.ResponseWriter, r *http.Request, c *ca
 		// A deterministic refusal (4xx) or a 429: the upstream's answer.
 		g.metrics.request(name, outcomeRejected)
 		setReceipt(w.Header(), rc)
-		writeUpstream(w, res.Response.StatusCode, res.Response.Header, res.Body)
+		writeUpstream(w, c.route.redactor, res.Response.StatusCode, res.Response.Header, res.Body)
 	case rc.State == statemachine.Rejected:
 		g.metrics.request(name, outcomeNotSent)
 		pr := newProblem(ProblemNotSent, "nothing left the gateway ("+code+"): send the call again with the same Idempotency-Key; it becomes the next attempt")
@@ -557,6 +628,16 @@ func (g *Gateway) settledOtherwise(w http.ResponseWriter, r *http.Request, c *ca
 // nothing is sent upstream.
 func (g *Gateway) replay(w http.ResponseWriter, r *http.Request, c *call, rc *ledger.Receipt) {
 	name := c.route.Name
+	owner, err := g.store.owner(r.Context(), rc.ID)
+	if err != nil {
+		g.log.Error("reading a receipt's owner failed", "route", name, "receipt_id", rc.ID, "error", err)
+		writeProblem(w, newProblem(ProblemLedger, "the ledger could not be read; send the call again with the same Idempotency-Key"))
+		return
+	}
+	if owner != c.agent {
+		g.refuse(w, name, newProblem(ProblemKeyReused, "this Idempotency-Key names another agent's call"))
+		return
+	}
 	g.metrics.replay(name, string(rc.State))
 	w.Header().Set(HeaderReplayed, "true")
 	switch rc.State {
@@ -565,13 +646,9 @@ func (g *Gateway) replay(w http.ResponseWriter, r *http.Request, c *call, rc *le
 		if err != nil {
 			g.log.Warn("reading a kept response failed", "route", name, "receipt_id", rc.ID, "error", err)
 		}
-		if kept != nil && kept.Agent != c.agent {
-			g.refuse(w, name, newProblem(ProblemKeyReused, "this Idempotency-Key names another agent's call"))
-			return
-		}
 		setReceipt(w.Header(), rc)
 		if kept != nil && kept.Body != nil {
-			writeUpstream(w, kept.Status, kept.Headers, kept.Body)
+			writeUpstream(w, c.route.redactor, kept.Status, kept.Headers, kept.Body)
 			return
 		}
 		if rc.State == statemachine.Succeeded {

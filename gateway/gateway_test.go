@@ -213,14 +213,18 @@ func TestSucceededIsReplayedWithoutSending(t *testing.T) {
 }
 
 // The upstream's credential is injected by the gateway, stripped from
-// what it stores even when the API echoes it, and the agent's token is
-// never forwarded nor stored.
+// what it stores and answers even when the API echoes it, and the agent's
+// token is never forwarded nor stored.
 func TestCredentialsStayInTheGateway(t *testing.T) {
 	up := newFakeUpstream()
 	e := newEnv(t, up, "")
 	a := e.post(t, "/blog/echo", "k-echo", `{"title":"echo"}`)
-	if a.status != http.StatusCreated || !strings.Contains(string(a.body), upstreamKey) {
-		t.Fatalf("echo call: %d %s", a.status, a.body)
+	up.mu.Lock()
+	seen := up.auths[0]
+	up.mu.Unlock()
+	if a.status != http.StatusCreated || seen != "Bearer "+upstreamKey || strings.Contains(string(a.body), upstreamKey) ||
+		strings.Contains(a.header.Get("Location"), upstreamKey) {
+		t.Fatalf("echo call (the API saw %q): %d %v %s", seen, a.status, a.header, a.body)
 	}
 	for _, s := range []string{upstreamKey, tokenA} {
 		if n := e.countText(t, s); n != 0 {
@@ -255,7 +259,7 @@ func TestUnknownOutcomeWaitAndSettle(t *testing.T) {
 		t.Fatalf("same key while unknown: %d %+v, upstream %d", again.status, p2, up.count("/api/fail504"))
 	}
 	// Not waiting: the receipt as it stands.
-	now := e.do(t, "GET", "/receipts/"+strconv.FormatInt(p.ReceiptID, 10), "", "Authorization", "Bearer "+tokenB)
+	now := e.do(t, "GET", "/receipts/"+strconv.FormatInt(p.ReceiptID, 10), "", "Authorization", "Bearer "+tokenA)
 	var doc gateway.ReceiptDoc
 	if err := json.Unmarshal(now.body, &doc); err != nil || doc.Settled || doc.Next != gateway.RetryAfterSettlement {
 		t.Fatalf("receipt: %d %s", now.status, now.body)

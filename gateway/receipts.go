@@ -102,7 +102,8 @@ func writeReceipt(w http.ResponseWriter, status int, rc *ledger.Receipt) {
 // receipt still in flight is re-read on a timer (ledger.Client.Await).
 func (g *Gateway) serveReceipt(w http.ResponseWriter, r *http.Request) {
 	const route = routeReceipts
-	if _, _, bad := g.authenticate(r); bad != nil {
+	agent, _, bad := g.authenticate(r)
+	if bad != nil {
 		g.refuse(w, route, newProblem(*bad, "send the agent's token as Authorization: Bearer <token>"))
 		return
 	}
@@ -118,13 +119,31 @@ func (g *Gateway) serveReceipt(w http.ResponseWriter, r *http.Request) {
 			return
 		}
 	}
+	// Another agent's receipt is answered as one that does not exist: an
+	// agent learns nothing of another's calls, not even that they exist.
+	owner, err := g.store.owner(r.Context(), id)
+	if err != nil {
+		g.log.Error("reading a receipt's owner failed", "receipt_id", id, "error", err)
+		writeProblem(w, newProblem(ProblemLedger, "the receipt could not be read; ask again"))
+		return
+	}
+	if owner != "agent:"+agent {
+		g.refuse(w, route, newProblem(ProblemReceiptNotFound, "no receipt "+strconv.FormatInt(id, 10)))
+		return
+	}
 	var rc *ledger.Receipt
 	if wait > 0 {
 		ctx, cancel := context.WithTimeout(r.Context(), wait)
 		defer cancel()
+		// A gateway that stops answers its waits at once.
+		defer context.AfterFunc(g.draining, cancel)()
 		rc, err = g.ledger.Await(ctx, id)
-		if rc != nil && errors.Is(err, context.DeadlineExceeded) && r.Context().Err() == nil {
-			err = nil // still unsettled after the wait: say so
+		if ctx.Err() != nil && r.Context().Err() == nil {
+			// Still unsettled after the wait: say so (read again if the
+			// wait ended before its first read).
+			if err = nil; rc == nil {
+				rc, err = g.ledger.Get(r.Context(), id)
+			}
 		}
 	} else {
 		rc, err = g.ledger.Get(r.Context(), id)
