@@ -356,23 +356,8 @@ func (g *Gateway) proxy(w http.ResponseWriter, r *http.Request) {
 		// anything is sent: no crash after the call can lose it.
 		in.Webhook = route.Name
 	}
-	// A key is its agent's own: another agent's reuse of it must neither
-	// learn of that call nor, once it may be retried, send its next
-	// attempt. (A key first used by another agent between this check and
-	// the call is caught by replay's; its next attempt could only follow
-	// a settlement in that window.)
-	switch owner, err := g.store.keyOwner(r.Context(), key); {
-	case err != nil:
-		g.log.Error("reading a key's owner failed, nothing sent", "route", route.Name, "agent", c.agent, "error", err)
-		g.metrics.request(route.Name, outcomeError)
-		writeProblem(w, newProblem(ProblemLedger, "the ledger could not be read, so nothing was sent; send the call again with the same Idempotency-Key"))
-		return
-	case owner != "" && owner != c.agent:
-		g.refuse(w, route.Name, newProblem(ProblemKeyReused, "this Idempotency-Key names another agent's call"))
-		return
-	}
 	caller := &ledger.Caller{Ledger: g.ledger.As(statemachine.Actor(c.agent)), HTTP: g.clients[route],
-		ExternalID: route.ExternalID, MaxResponseBytes: g.cfg.MaxResponseBytes}
+		ExternalID: route.ExternalID, MaxResponseBytes: g.cfg.MaxResponseBytes, Known: g.ownKey(c.agent)}
 	// The call outlives the agent's connection: its outcome is recorded
 	// (and replayed to the agent's next attempt) even if the agent left.
 	ctx, cancel := context.WithTimeout(c.trace(context.WithoutCancel(r.Context())), route.Timeout+time.Minute)
@@ -563,6 +548,8 @@ func (g *Gateway) answer(w http.ResponseWriter, r *http.Request, c *call, res *l
 		pr.ExistingReceiptID = dup.Existing.ID
 		pr.WaitURL = waitURL(dup.Existing.ID)
 		g.refuse(w, name, pr)
+	case errors.Is(err, errOtherAgent):
+		g.refuse(w, name, newProblem(ProblemKeyReused, "this Idempotency-Key names another agent's call"))
 	case errors.Is(err, ledger.ErrKeyConflict):
 		g.refuse(w, name, newProblem(ProblemKeyReused, "this Idempotency-Key names a call with another operation, target or payload: use a key of its own for each step"))
 	case errors.Is(err, ledger.ErrInvalidKey):
@@ -624,20 +611,33 @@ func (g *Gateway) settledOtherwise(w http.ResponseWriter, r *http.Request, c *ca
 	}
 }
 
-// replay answers a call whose key names a receipt already past planned:
-// nothing is sent upstream.
+// errOtherAgent refuses a key that names another agent's call (ownKey).
+var errOtherAgent = errors.New("the key names another agent's call")
+
+// ownKey is the Caller's Known hook for agent: a key is its agent's own,
+// so another agent's reuse of it neither learns of that call (its receipt,
+// its state, its kept response) nor, once the call may be retried, sends
+// its next attempt. The owner is the actor of the receipt's first event
+// (history is append-only). Only a known key pays for the read: Do calls
+// the hook with the receipt the key names before it replays, submits or
+// retries anything.
+func (g *Gateway) ownKey(agent string) func(context.Context, *ledger.Receipt) error {
+	return func(ctx context.Context, r *ledger.Receipt) error {
+		owner, err := g.store.owner(ctx, r.ID)
+		if err != nil {
+			return err
+		}
+		if owner != agent {
+			return errOtherAgent
+		}
+		return nil
+	}
+}
+
+// replay answers a call whose key names a receipt already past planned
+// (and owned by the caller's agent: ownKey): nothing is sent upstream.
 func (g *Gateway) replay(w http.ResponseWriter, r *http.Request, c *call, rc *ledger.Receipt) {
 	name := c.route.Name
-	owner, err := g.store.owner(r.Context(), rc.ID)
-	if err != nil {
-		g.log.Error("reading a receipt's owner failed", "route", name, "receipt_id", rc.ID, "error", err)
-		writeProblem(w, newProblem(ProblemLedger, "the ledger could not be read; send the call again with the same Idempotency-Key"))
-		return
-	}
-	if owner != c.agent {
-		g.refuse(w, name, newProblem(ProblemKeyReused, "this Idempotency-Key names another agent's call"))
-		return
-	}
 	g.metrics.replay(name, string(rc.State))
 	w.Header().Set(HeaderReplayed, "true")
 	switch rc.State {

@@ -34,12 +34,8 @@ const (
 	sqlLookup = `SELECT agent, status, headers, body, body_bytes FROM reconciler.gateway_responses
 		WHERE receipt_id = $1 AND expires_at > clock_timestamp()`
 	// sqlOwner is the actor that created a receipt: the actor of its first
-	// event (history is append-only, so it never changes). sqlKeyOwner is
-	// the one that created the first attempt of a key.
-	sqlOwner    = `SELECT actor FROM reconciler.receipt_events WHERE receipt_id = $1 ORDER BY seq LIMIT 1`
-	sqlKeyOwner = `SELECT e.actor FROM reconciler.receipt_keys k
-		JOIN reconciler.receipt_events e ON e.receipt_id = k.receipt_id
-		WHERE k.idempotency_key = $1 ORDER BY e.seq LIMIT 1`
+	// event (history is append-only, so it never changes).
+	sqlOwner  = `SELECT actor FROM reconciler.receipt_events WHERE receipt_id = $1 ORDER BY seq LIMIT 1`
 	sqlExpire = `DELETE FROM reconciler.gateway_responses WHERE receipt_id IN (
 		SELECT receipt_id FROM reconciler.gateway_responses
 		WHERE expires_at <= clock_timestamp() ORDER BY expires_at LIMIT $1)`
@@ -138,23 +134,13 @@ func (s store) lookup(ctx context.Context, receiptID int64) (*storedResponse, er
 // owner returns the actor that created receipt id, "" when there is no
 // such receipt.
 func (s store) owner(ctx context.Context, id int64) (string, error) {
-	return s.actor(ctx, sqlOwner, id)
-}
-
-// keyOwner returns the actor that created the first attempt of key, ""
-// when the key is new.
-func (s store) keyOwner(ctx context.Context, key string) (string, error) {
-	return s.actor(ctx, sqlKeyOwner, key)
-}
-
-func (s store) actor(ctx context.Context, sql string, arg any) (string, error) {
 	var actor string
-	err := s.db.QueryRow(ctx, sql, arg).Scan(&actor)
+	err := s.db.QueryRow(ctx, sqlOwner, id).Scan(&actor)
 	if errors.Is(err, pgx.ErrNoRows) {
 		return "", nil
 	}
 	if err != nil {
-		return "", fmt.Errorf("gateway: read the owner of a receipt: %w", err)
+		return "", fmt.Errorf("gateway: read the owner of receipt %d: %w", id, err)
 	}
 	return actor, nil
 }

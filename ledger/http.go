@@ -170,6 +170,13 @@ type Caller struct {
 	// SettleTimeout bounds each ledger write after planning; 0 means
 	// DefaultSettleTimeout.
 	SettleTimeout time.Duration
+	// Known, when set, is called with the receipt an idempotency key
+	// already names, before Do replays it, submits it or sends its next
+	// attempt; an error it returns is Do's, and nothing is sent. A new
+	// key's call never calls it. The gateway uses it to keep each agent's
+	// keys its own: another agent's reuse of a key must neither learn of
+	// that call nor send its next attempt.
+	Known func(ctx context.Context, r *Receipt) error
 }
 
 // Result is what Do returns: the receipt and, when a response arrived, the
@@ -351,7 +358,7 @@ func (c *Caller) Do(ctx context.Context, in Intent, req *http.Request) (*Result,
 	// receipt (ErrKnownKey) is carried on from its state below.
 	fresh := err == nil
 	if errors.Is(err, ErrKnownKey) {
-		err = nil
+		err = c.known(ctx, r)
 	}
 	var prev *Receipt
 	// The same step run again after a proven absence or a retryable
@@ -374,6 +381,9 @@ func (c *Caller) Do(ctx context.Context, in Intent, req *http.Request) (*Result,
 		// between the key lookup and the duplicate guard of plan: it is
 		// ours, not a duplicate.
 		closeBody(req)
+		if err := c.known(ctx, dup.Existing); err != nil {
+			return nil, err
+		}
 		return c.replay(ctx, dup.Existing)
 	}
 	if err != nil {
@@ -535,6 +545,17 @@ func (c *Caller) writeContext(ctx context.Context) (context.Context, context.Can
 		d = DefaultSettleTimeout
 	}
 	return context.WithTimeout(context.WithoutCancel(ctx), d)
+}
+
+// known runs the Known hook, if any, on the receipt a known key names.
+func (c *Caller) known(ctx context.Context, r *Receipt) error {
+	if c.Known == nil {
+		return nil
+	}
+	if err := c.Known(ctx, r); err != nil {
+		return fmt.Errorf("ledger: key %s names receipt %d: nothing sent: %w", r.IdempotencyKey, r.ID, err)
+	}
+	return nil
 }
 
 // replay answers for a receipt that is already past planned, sending nothing.
