@@ -747,3 +747,53 @@ func TestHTTPDoRetriesRetryableRejection(t *testing.T) {
 		t.Fatalf("Retry of a non-retryable rejection: %v, want ErrStateConflict", err)
 	}
 }
+
+// Known is called with the receipt a known key names before Do replays,
+// submits or retries anything, and its refusal stops Do with nothing sent;
+// a new key's call never calls it.
+func TestHTTPDoKnownHookGuardsAKnownKey(t *testing.T) {
+	env := newHTTPEnv(t)
+	ctx := context.Background()
+	errNotYours := errors.New("not yours")
+	var seen []int64
+	refuse := true
+	caller := &ledger.Caller{Ledger: env.ledger, HTTP: testHTTPClient(t, 0),
+		Known: func(_ context.Context, r *ledger.Receipt) error {
+			seen = append(seen, r.ID)
+			if refuse {
+				return errNotYours
+			}
+			return nil
+		}}
+
+	// A new key: sent, the hook not called. The API is down, so the
+	// receipt may be retried.
+	in, req := articleCall(t, deadURL(t)+"/api/articles", "known-hook")
+	first, err := caller.Do(ctx, in, req)
+	if !errors.Is(err, ledger.ErrNotSent) || !first.Receipt.Retryable || len(seen) != 0 {
+		t.Fatalf("first Do: %v, hook saw %v; want ErrNotSent, a retryable receipt, the hook not called", err, seen)
+	}
+
+	// The same key again, the API back: the hook refuses, nothing is sent,
+	// no attempt 2 is planned.
+	srv := env.serve(t, status(201, `{"id":"art_k"}`))
+	in, req = articleCall(t, srv.URL+"/api/articles", "known-hook")
+	if res, err := caller.Do(ctx, in, req); !errors.Is(err, errNotYours) || res != nil {
+		t.Fatalf("Do refused by the hook = %+v, %v; want its error and no result", res, err)
+	}
+	if n := env.requests.Load(); n != 0 || len(seen) != 1 || seen[0] != first.Receipt.ID {
+		t.Fatalf("server saw %d requests, hook saw %v; want none sent, the hook called with receipt %d", n, seen, first.Receipt.ID)
+	}
+	var attempts int
+	if err := env.pool.QueryRow(ctx, `SELECT count(*) FROM reconciler.receipts`).Scan(&attempts); err != nil || attempts != 1 {
+		t.Fatalf("receipts: %d, %v; want only the first attempt", attempts, err)
+	}
+
+	// Allowed, the same key becomes attempt 2.
+	refuse = false
+	in, req = articleCall(t, srv.URL+"/api/articles", "known-hook")
+	second, err := caller.Do(ctx, in, req)
+	if err != nil || second.Receipt.Attempt != 2 || env.requests.Load() != 1 {
+		t.Fatalf("Do allowed by the hook = %+v, %v; want attempt 2 sent once", second, err)
+	}
+}
