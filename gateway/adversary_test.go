@@ -423,3 +423,77 @@ func TestSameKeyWhileInFlightSendsOnce(t *testing.T) {
 		t.Fatalf("the upstream got %d requests, want 1", n)
 	}
 }
+
+// A connection cannot be held open at will: an agent that trickles its
+// body is cut off once Options.ReadTimeout is over, before anything is
+// recorded or sent, and a keep-alive connection left idle is closed once
+// Options.IdleTimeout is over.
+func TestSlowAndIdleConnectionsAreCut(t *testing.T) {
+	var hits atomic.Int32
+	up := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		hits.Add(1)
+		w.WriteHeader(http.StatusCreated)
+	}))
+	t.Cleanup(up.Close)
+	db := pgtest.NewPool(t)
+	cfg, err := gateway.ParseConfig("routes.yaml", []byte(routesFile(up.URL, "")), testEnv)
+	if err != nil {
+		t.Fatal(err)
+	}
+	client, err := ledger.New(db, "agent:gateway")
+	if err != nil {
+		t.Fatal(err)
+	}
+	g := gateway.New(client, cfg, gateway.Options{ReadTimeout: 300 * time.Millisecond, IdleTimeout: 300 * time.Millisecond})
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, stop := context.WithCancel(context.Background())
+	ran := make(chan error, 1)
+	go func() { ran <- g.Run(ctx, l, nil, time.Second) }()
+	t.Cleanup(func() { stop(); <-ran })
+
+	// closed sends raw on a new connection and reports what the gateway
+	// answered before it closed the connection; the test fails if it is
+	// still open after 10 s.
+	closed := func(t *testing.T, raw string) string {
+		t.Helper()
+		conn, err := net.Dial("tcp", l.Addr().String())
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer conn.Close()
+		if _, err := conn.Write([]byte(raw)); err != nil {
+			t.Fatal(err)
+		}
+		if err := conn.SetReadDeadline(time.Now().Add(10 * time.Second)); err != nil {
+			t.Fatal(err)
+		}
+		var got bytes.Buffer
+		_, err = got.ReadFrom(conn)
+		var ne net.Error
+		if errors.As(err, &ne) && ne.Timeout() {
+			t.Fatalf("the connection is still open after 10 s; read so far: %q", got.String())
+		}
+		return got.String()
+	}
+
+	t.Run("trickled body", func(t *testing.T) {
+		got := closed(t, "POST /blog/articles HTTP/1.1\r\nHost: gw\r\nAuthorization: Bearer "+tokenA+
+			"\r\nIdempotency-Key: k-slow\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"title\":")
+		if strings.HasPrefix(got, "HTTP/1.1 2") {
+			t.Fatalf("a body that never arrived was answered %q", got)
+		}
+		var n int
+		if err := db.QueryRow(context.Background(), `SELECT count(*) FROM reconciler.receipts`).Scan(&n); err != nil || n != 0 || hits.Load() != 0 {
+			t.Fatalf("receipts %d (%v), upstream hits %d: want nothing recorded or sent", n, err, hits.Load())
+		}
+	})
+	t.Run("idle keep-alive", func(t *testing.T) {
+		got := closed(t, "GET /healthz HTTP/1.1\r\nHost: gw\r\n\r\n")
+		if !strings.HasPrefix(got, "HTTP/1.1 200") || !strings.HasSuffix(got, "ok\n") {
+			t.Fatalf("healthz on the idle connection answered %q", got)
+		}
+	})
+}

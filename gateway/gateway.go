@@ -20,6 +20,7 @@ package gateway
 
 import (
 	"bytes"
+	"cmp"
 	"context"
 	"crypto/sha256"
 	"encoding/hex"
@@ -79,7 +80,22 @@ type Options struct {
 	// how often pending events are looked for unprompted
 	// (DefaultWebhookSweep).
 	WebhookRetryBase, WebhookRetryCap, WebhookSweep time.Duration
+	// ReadTimeout bounds reading a request, headers and body, in Run
+	// (DefaultReadTimeout): an agent that trickles its body is cut off
+	// before anything is recorded or sent. A wait on a receipt is not
+	// bounded by it: its request has no body.
+	ReadTimeout time.Duration
+	// IdleTimeout closes a keep-alive connection left idle that long, in
+	// Run (DefaultIdleTimeout), so idle connections, authenticated or
+	// not, cannot pile up.
+	IdleTimeout time.Duration
 }
+
+// The defaults of Options.ReadTimeout and Options.IdleTimeout.
+const (
+	DefaultReadTimeout = 30 * time.Second
+	DefaultIdleTimeout = 2 * time.Minute
+)
 
 // Gateway serves the routes of a Config. It is an http.Handler.
 type Gateway struct {
@@ -97,6 +113,8 @@ type Gateway struct {
 	// once a byte left) and answers the agent before Run returns.
 	draining, cut      context.Context
 	drain, cutInFlight context.CancelFunc
+	// readTimeout and idleTimeout are Run's server's (Options).
+	readTimeout, idleTimeout time.Duration
 }
 
 // New returns a gateway for cfg that records receipts through client (its
@@ -107,6 +125,7 @@ func New(client *ledger.Client, cfg *Config, opts Options) *Gateway {
 	if g.log == nil {
 		g.log = slog.New(slog.DiscardHandler)
 	}
+	g.readTimeout, g.idleTimeout = cmp.Or(opts.ReadTimeout, DefaultReadTimeout), cmp.Or(opts.IdleTimeout, DefaultIdleTimeout)
 	g.draining, g.drain = context.WithCancel(context.Background())
 	g.cut, g.cutInFlight = context.WithCancel(context.Background())
 	tr := opts.Transport
@@ -152,7 +171,8 @@ func (g *Gateway) Run(ctx context.Context, l net.Listener, h http.Handler, grace
 	if h == nil {
 		h = g
 	}
-	srv := &http.Server{Handler: h, ReadHeaderTimeout: 10 * time.Second,
+	srv := &http.Server{Handler: h, ReadHeaderTimeout: min(10*time.Second, g.readTimeout),
+		ReadTimeout: g.readTimeout, IdleTimeout: g.idleTimeout,
 		BaseContext: func(net.Listener) context.Context { return context.WithoutCancel(ctx) }}
 	errc := make(chan error, 1)
 	go func() { errc <- srv.Serve(l) }()
