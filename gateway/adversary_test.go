@@ -490,6 +490,28 @@ func TestSlowAndIdleConnectionsAreCut(t *testing.T) {
 			t.Fatalf("receipts %d (%v), upstream hits %d: want nothing recorded or sent", n, err, hits.Load())
 		}
 	})
+	t.Run("a wait outlasts the read timeout", func(t *testing.T) {
+		in := ledger.Intent{IdempotencyKey: "k-waited", Operation: "articles.create", Dependency: "blog-api",
+			Method: "POST", Target: "/api/articles", Payload: []byte(`{"title":"waited"}`)}
+		r, err := client.As("agent:a").Plan(context.Background(), in)
+		if err != nil {
+			t.Fatal(err)
+		}
+		req, err := http.NewRequest("GET", "http://"+l.Addr().String()+"/receipts/"+strconv.FormatInt(r.ID, 10)+"?wait=1s", nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		req.Header.Set("Authorization", "Bearer "+tokenA)
+		start := time.Now()
+		resp, err := http.DefaultClient.Do(req)
+		if err != nil {
+			t.Fatalf("a wait of 1 s with a read timeout of 300 ms: %v", err)
+		}
+		resp.Body.Close()
+		if resp.StatusCode != http.StatusOK || time.Since(start) < time.Second {
+			t.Fatalf("a wait of 1 s answered %d after %s: want 200 after the whole wait", resp.StatusCode, time.Since(start))
+		}
+	})
 	t.Run("idle keep-alive", func(t *testing.T) {
 		got := closed(t, "GET /healthz HTTP/1.1\r\nHost: gw\r\n\r\n")
 		if !strings.HasPrefix(got, "HTTP/1.1 200") || !strings.HasSuffix(got, "ok\n") {
