@@ -519,3 +519,31 @@ func TestSlowAndIdleConnectionsAreCut(t *testing.T) {
 		}
 	})
 }
+
+// The same call sent by two agents under keys of their own while the
+// first is unresolved is refused as a duplicate intent (nothing sent),
+// but the refusal named the first agent's receipt, its state and where
+// to wait for it: another agent learns of a call that is not its own.
+// It names the receipt only to the agent that made it.
+func TestDuplicateIntentNamesOnlyTheAgentsOwnReceipt(t *testing.T) {
+	up := newFakeUpstream()
+	e := newEnv(t, up, "")
+	unknown := e.post(t, "/blog/fail504", "a-dup", `{"title":"d"}`)
+	idA := unknown.problem(t).ReceiptID
+	if idA == 0 {
+		t.Fatalf("set-up call: %d %s", unknown.status, unknown.body)
+	}
+	b := e.do(t, "POST", "/blog/fail504", `{"title":"d"}`, "Authorization", "Bearer "+tokenB, "Idempotency-Key", "b-dup")
+	p := b.problem(t)
+	if p.Type != gateway.ProblemDuplicateIntent.URI() || p.ExistingReceiptID != 0 || p.ReceiptID != 0 || p.WaitURL != "" ||
+		strings.Contains(p.Detail, strconv.FormatInt(idA, 10)) || b.header.Get(gateway.HeaderReceiptID) != "" {
+		t.Fatalf("B's duplicate of A's call: %d %v %s; want a duplicate-intent refusal naming no receipt", b.status, b.header, b.body)
+	}
+	a := e.post(t, "/blog/fail504", "a-dup-2", `{"title":"d"}`)
+	if p := a.problem(t); p.Type != gateway.ProblemDuplicateIntent.URI() || p.ExistingReceiptID != idA || p.WaitURL == "" {
+		t.Fatalf("A's own duplicate: %d %s; want its receipt %d named", a.status, a.body, idA)
+	}
+	if n := up.count("/api/fail504"); n != 1 {
+		t.Fatalf("the upstream got %d requests, want 1", n)
+	}
+}

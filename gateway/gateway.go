@@ -563,6 +563,14 @@ func (g *Gateway) answer(w http.ResponseWriter, r *http.Request, c *call, res *l
 		setReceipt(w.Header(), res.Receipt)
 		writeUpstream(w, c.route.redactor, res.Response.StatusCode, res.Response.Header, res.Body)
 	case errors.As(err, &dup):
+		// The intent's guard is every agent's (the same call is one
+		// effect, whoever sends it), but its receipt is named only to the
+		// agent that made it (ownKey); an owner that cannot be read is
+		// taken for another's.
+		if g.ownKey(c.agent)(r.Context(), dup.Existing) != nil {
+			g.refuse(w, name, newProblem(ProblemDuplicateIntent, "the same call is unresolved under another agent's key: this call is not sent"))
+			return
+		}
 		pr := newProblem(ProblemDuplicateIntent, fmt.Sprintf("receipt %d holds the same call (%s), and its outcome is not settled: "+
 			"this call is not sent. Wait for that receipt instead of sending it again under another key", dup.Existing.ID, dup.Existing.State))
 		pr.ExistingReceiptID = dup.Existing.ID

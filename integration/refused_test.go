@@ -10,6 +10,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/receiptledger/reconciler/internal/pgtest"
@@ -262,5 +263,84 @@ func TestRefusedClaimDoesNotStopTheOthers(t *testing.T) {
 	}
 	if sum, _, _ := drain("after-the-fix"); sum.Refused != 0 || receipt(t, db, bad).State != "succeeded" {
 		t.Fatalf("after the trigger was dropped: summary %+v, receipt %+v; want it settled", sum, receipt(t, db, bad))
+	}
+}
+
+// refuseClaims makes the database refuse the claim (the move from
+// outcome_unknown into reconciling) of the receipts where is true for, as
+// a trigger's RAISE (P0001).
+func refuseClaims(t *testing.T, db *pgxpool.Pool, where string) {
+	t.Helper()
+	if _, err := db.Exec(context.Background(), fmt.Sprintf(`
+		CREATE FUNCTION public.refuse_claim() RETURNS trigger LANGUAGE plpgsql AS $$
+		BEGIN RAISE EXCEPTION 'receipt %% may not be claimed (test)', NEW.id; END $$;
+		CREATE TRIGGER refuse_claim BEFORE UPDATE ON reconciler.receipts FOR EACH ROW
+		WHEN (NEW.state = 'reconciling' AND OLD.state = 'outcome_unknown' AND (%s))
+		EXECUTE FUNCTION public.refuse_claim()`, where)); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// A drain ended as soon as a claim brought no row, even when that was only
+// because every candidate of the claim was refused and left out: with a
+// claim of one row (or as many refused receipts as the claim takes) at the
+// head of the due order, the rows behind them were never claimed.
+func TestDrainGoesOnPastRefusedClaims(t *testing.T) {
+	ctx := context.Background()
+	db := pgtest.NewPool(t)
+	ids := seed(t, db, 4, "things.create", "static-api", "outcome_unknown")
+	bad := ids[:2]
+	if _, err := db.Exec(ctx, `UPDATE reconciler.receipts SET next_check_at = next_check_at - interval '1 hour' WHERE id = ANY($1)`, bad); err != nil {
+		t.Fatal(err)
+	}
+	refuseClaims(t, db, fmt.Sprintf("NEW.id IN (%d, %d)", bad[0], bad[1]))
+	present := readback.Binding{Name: "static", Kind: readback.Create, Dependency: "static-api", Policy: shortPolicy(),
+		Adapter: readback.Static{Verdict: readback.VerdictPresent, ExternalID: "thing-1", Authoritative: true}}
+	pool := newPool(t, db, reconcile.Config{Instance: "drain-past-refused", Registry: registry(t, nil, shortPolicy(), present),
+		Workers: 1, BatchSize: 1})
+	dctx, cancel := context.WithTimeout(ctx, time.Minute)
+	defer cancel()
+	sum, err := pool.Drain(dctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, id := range ids[2:] {
+		if r := receipt(t, db, id); r.State != "succeeded" {
+			t.Fatalf("receipt %d is %s after the drain (summary %+v): the drain stopped at the refused claims", id, r.State, sum)
+		}
+	}
+	if sum.Refused != 2 || total(sum.Settled) != 2 {
+		t.Fatalf("summary %+v, want 2 settled and 2 refused", sum)
+	}
+}
+
+// A refusal of every claim (a trigger that refuses the move into
+// reconciling for every receipt, a refusal that is the statement's in all
+// but its SQLSTATE) made the pool claim every due row apart, log and
+// count each, and remember each in a set without bound, sent back with
+// every claim: a million due receipts, a million statements and a million
+// ids per claim. At most MaxUnclaimable receipts are left out; past that
+// the claim's refusal is the claim's, as before: the drain stops with it.
+func TestRefusingEveryClaimIsBounded(t *testing.T) {
+	ctx := context.Background()
+	db := pgtest.NewPool(t)
+	seed(t, db, reconcile.MaxUnclaimable+100, "things.create", "static-api", "outcome_unknown")
+	refuseClaims(t, db, "true")
+	present := readback.Binding{Name: "static", Kind: readback.Create, Dependency: "static-api", Policy: shortPolicy(),
+		Adapter: readback.Static{Verdict: readback.VerdictPresent, ExternalID: "thing-1", Authoritative: true}}
+	reg := prometheus.NewRegistry()
+	pool := newPool(t, db, reconcile.Config{Instance: "refuse-all", Registry: registry(t, nil, shortPolicy(), present),
+		Metrics: reconcile.NewMetrics(reg), PollInterval: 50 * time.Millisecond})
+	dctx, cancel := context.WithTimeout(ctx, 2*time.Minute)
+	defer cancel()
+	sum, err := pool.Drain(dctx)
+	if err == nil || !strings.Contains(err.Error(), "may not be claimed") {
+		t.Fatalf("drain: %v (summary %+v), want the claim's refusal", err, sum)
+	}
+	if sum.Refused > reconcile.MaxUnclaimable || total(sum.Settled) != 0 || sum.Claimed != 0 {
+		t.Fatalf("summary %+v: want at most %d receipts refused and left out, none claimed", sum, reconcile.MaxUnclaimable)
+	}
+	if n := labelled(t, reg, "reconciler_writes_refused_total", map[string]string{"statement": "claim"}); n > reconcile.MaxUnclaimable {
+		t.Fatalf(`reconciler_writes_refused_total{statement="claim"} = %v, want at most %d`, n, reconcile.MaxUnclaimable)
 	}
 }

@@ -17,6 +17,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/receiptledger/reconciler/internal/pgtest"
@@ -795,5 +796,59 @@ func TestHTTPDoKnownHookGuardsAKnownKey(t *testing.T) {
 	second, err := caller.Do(ctx, in, req)
 	if err != nil || second.Receipt.Attempt != 2 || env.requests.Load() != 1 {
 		t.Fatalf("Do allowed by the hook = %+v, %v; want attempt 2 sent once", second, err)
+	}
+}
+
+// failReads fails (context canceled) every read of one receipt by id, the
+// read that follows the database's answer that a key is known.
+type failReads struct{}
+
+func (failReads) TraceQueryStart(ctx context.Context, _ *pgx.Conn, d pgx.TraceQueryStartData) context.Context {
+	if strings.HasPrefix(strings.TrimSpace(d.SQL), "SELECT") && strings.HasSuffix(d.SQL, "FROM reconciler.receipts WHERE id = $1") {
+		c, cancel := context.WithCancel(ctx)
+		cancel()
+		return c
+	}
+	return ctx
+}
+
+func (failReads) TraceQueryEnd(context.Context, *pgx.Conn, pgx.TraceQueryEndData) {}
+
+// When the database answered that a retry key is known (its attempt
+// planned by an earlier call) and reading that receipt failed, the error
+// still said ErrKnownKey, with no receipt: Do took it for the key's
+// receipt, to be carried on from, and panicked on it (a nil receipt). The
+// failure is Do's error now, nothing sent.
+func TestHTTPDoKnownKeyWhoseReadFailsIsAnError(t *testing.T) {
+	env := newHTTPEnv(t)
+	ctx := context.Background()
+	caller := &ledger.Caller{Ledger: env.ledger, HTTP: testHTTPClient(t, 0)}
+	in, req := articleCall(t, deadURL(t)+"/api/articles", "known-read-fails")
+	first, err := caller.Do(ctx, in, req)
+	if !errors.Is(err, ledger.ErrNotSent) || !first.Receipt.Retryable {
+		t.Fatalf("first Do: %v; want ErrNotSent and a retryable receipt", err)
+	}
+	// Attempt 2 planned by a call that stopped before its submit.
+	if _, err := env.ledger.Retry(ctx, first.Receipt, in); err != nil {
+		t.Fatal(err)
+	}
+
+	cfg := env.pool.Config()
+	cfg.ConnConfig.Tracer = failReads{}
+	pool, err := pgxpool.NewWithConfig(ctx, cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(pool.Close)
+	failing, err := ledger.New(pool, "agent:http-test")
+	if err != nil {
+		t.Fatal(err)
+	}
+	srv := env.serve(t, status(201, `{"id":"art_r"}`))
+	caller = &ledger.Caller{Ledger: failing, HTTP: testHTTPClient(t, 0)}
+	in, req = articleCall(t, srv.URL+"/api/articles", "known-read-fails")
+	res, err := caller.Do(ctx, in, req)
+	if err == nil || errors.Is(err, ledger.ErrKnownKey) || res != nil || env.requests.Load() != 0 {
+		t.Fatalf("Do = %+v, %v, %d sent; want the read's failure, not ErrKnownKey, no result, nothing sent", res, err, env.requests.Load())
 	}
 }

@@ -585,7 +585,9 @@ func (c *Client) plan(ctx context.Context, in Intent, fp fingerprint.Result, ret
 		// Not a failure: the key's receipt, for the caller to carry on from.
 		id, _ := strconv.ParseInt(pe.Detail, 10, 64)
 		if r, err = c.Get(ctx, id); err != nil {
-			return nil, fmt.Errorf("ledger: plan %s: %w (and reading receipt %d: %w)", in.IdempotencyKey, ErrKnownKey, id, err)
+			// Not ErrKnownKey: that error comes with the key's receipt,
+			// which callers carry on from.
+			return nil, fmt.Errorf("ledger: plan %s: the key names receipt %d, and reading it failed: %w", in.IdempotencyKey, id, err)
 		}
 		return r, fmt.Errorf("ledger: plan %s: %w", in.IdempotencyKey, ErrKnownKey)
 	}

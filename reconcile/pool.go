@@ -608,7 +608,7 @@ func (s *session) claimLoop(once bool, wake <-chan struct{}) error {
 		// could commit leases this process would never hear of, leaving
 		// rows held until their lease expires.
 		claimCtx, cancel := context.WithTimeout(context.WithoutCancel(s.stop), 30*time.Second)
-		rows, err := s.claim(claimCtx, dueBy, now, limit)
+		rows, refused, err := s.claim(claimCtx, dueBy, now, limit)
 		cancel()
 		if err != nil {
 			if s.stop.Err() != nil {
@@ -641,8 +641,10 @@ func (s *session) claimLoop(once bool, wake <-chan struct{}) error {
 				s.jobs <- c // never blocks: the channel holds MaxInFlight rows
 			}
 		}
-		if len(rows) == limit {
-			continue // maybe more due
+		if len(rows)+refused == limit {
+			// Maybe more due: the receipts whose claim was refused are
+			// left out of the next claim, so it takes the rows behind.
+			continue
 		}
 		if once {
 			if s.inflight.Load() == 0 {
@@ -819,36 +821,50 @@ func (s *session) waitSpace() {
 }
 
 // claim leases up to limit rows due by dueBy, leaving out the receipts
-// whose claim the database refused. If it refuses this claim for one
-// row's sake (a row-level SQLSTATE: a trigger's RAISE, a constraint),
-// retrying it would fail alike forever, and since the claim takes rows in
-// due order, the refused receipt would stop every row behind it: the
-// candidates are claimed apart instead, the batch split in halves down to
-// the receipts refused on their own, which are reported (claimRefused)
-// and left out of claims for a while. A transient failure, or a refusal of
-// the statement itself, is returned as before.
-func (s *session) claim(ctx context.Context, dueBy, now time.Time, limit int) ([]Claimed, error) {
+// whose claim the database refused, and returns how many it refused this
+// time besides. If it refuses this claim for one row's sake (a row-level
+// SQLSTATE: a trigger's RAISE, a constraint), retrying it would fail alike
+// forever, and since the claim takes rows in due order, the refused
+// receipt would stop every row behind it: the candidates are claimed apart
+// instead, the batch split in halves down to the receipts refused on their
+// own, which are reported (claimRefused) and left out of claims for a
+// while. A transient failure, a refusal of the statement itself, or a
+// refusal once MaxUnclaimable receipts are left out (the database refuses
+// claims wholesale: one statement per row would walk every due row) is
+// returned as before.
+func (s *session) claim(ctx context.Context, dueBy, now time.Time, limit int) ([]Claimed, int, error) {
 	p := s.p
 	args := claimArgs{dueBy: dueBy, now: now, limit: limit, lease: p.cfg.Lease, skip: p.unclaimable.skip(now)}
 	rows, err := p.store.claim(ctx, args)
-	if err == nil || classifyDB(err) != dbRowRefused {
+	if err == nil || classifyDB(err) != dbRowRefused || p.unclaimable.full() {
 		p.unclaimable.forget(rows)
-		return rows, err
+		return rows, 0, err
 	}
 	ids, derr := p.store.due(ctx, dueBy, limit, args.skip)
 	if derr != nil {
-		return nil, derr
+		return nil, 0, derr
 	}
-	rows = s.claimApart(ctx, args, ids)
+	var a apart
+	rows = s.claimApart(ctx, args, ids, &a)
 	p.unclaimable.forget(rows)
-	return rows, nil
+	if len(rows) == 0 && a.full != nil {
+		return nil, a.refused, a.full
+	}
+	return rows, a.refused, nil
+}
+
+// apart is what claimApart met besides the rows it claimed: the receipts
+// it left out, and the refusal it could not leave out (unclaimable full).
+type apart struct {
+	refused int
+	full    error
 }
 
 // claimApart claims the rows ids alone, splitting on a row-level refusal
-// down to the receipts refused on their own (claimRefused). A transient
-// failure ends it with the rows claimed so far (the next claim meets it
-// again).
-func (s *session) claimApart(ctx context.Context, args claimArgs, ids []int64) []Claimed {
+// down to the receipts refused on their own (claimRefused, counted in
+// a). A transient failure ends it with the rows claimed so far (the next
+// claim meets it again), and so does a full unclaimable set (in a).
+func (s *session) claimApart(ctx context.Context, args claimArgs, ids []int64, a *apart) []Claimed {
 	if len(ids) == 0 {
 		return nil
 	}
@@ -861,15 +877,20 @@ func (s *session) claimApart(ctx context.Context, args claimArgs, ids []int64) [
 		s.dbError("claim", err)
 		return nil
 	case len(ids) == 1:
+		if s.p.unclaimable.full() {
+			a.full = err
+			return nil
+		}
 		s.claimRefused(ids[0], err, args.now)
+		a.refused++
 		return nil
 	}
 	half := len(ids) / 2
-	rows = s.claimApart(ctx, args, ids[:half])
-	if ctx.Err() != nil {
+	rows = s.claimApart(ctx, args, ids[:half], a)
+	if ctx.Err() != nil || a.full != nil {
 		return rows
 	}
-	return append(rows, s.claimApart(ctx, args, ids[half:])...)
+	return append(rows, s.claimApart(ctx, args, ids[half:], a)...)
 }
 
 // claimRefused reports a receipt whose claim the database refused for its
@@ -902,6 +923,20 @@ type unclaimable struct {
 type unclaimableRow struct {
 	until   time.Time
 	strikes int
+}
+
+// MaxUnclaimable bounds the receipts left out of claims at once. A
+// database that refuses more receipts' claims than that refuses claims
+// wholesale, whatever its SQLSTATE says: each further refusal is the
+// claim's, which backs off as any failed claim does, rather than one
+// statement, one ERROR and one id more per due row.
+const MaxUnclaimable = 1024
+
+// full reports whether MaxUnclaimable receipts are left out already.
+func (u *unclaimable) full() bool {
+	u.mu.Lock()
+	defer u.mu.Unlock()
+	return len(u.by) >= MaxUnclaimable
 }
 
 // MaxUnclaimablePause bounds how long a receipt whose claim the database
