@@ -110,13 +110,24 @@ func (a answer) problem(t *testing.T) gateway.Problem {
 // do sends a request to the gateway; headers is name, value pairs.
 func (e *env) do(t *testing.T, method, path, body string, headers ...string) answer {
 	t.Helper()
+	a, err := send(method, e.gw.URL+path, body, headers...)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return a
+}
+
+// send makes a request to url and reads its answer whole; headers is
+// name, value pairs, and a body is sent as JSON. It calls no testing
+// method, so a test's goroutines may use it.
+func send(method, url, body string, headers ...string) (answer, error) {
 	var rd io.Reader
 	if body != "" {
 		rd = strings.NewReader(body)
 	}
-	req, err := http.NewRequestWithContext(context.Background(), method, e.gw.URL+path, rd)
+	req, err := http.NewRequestWithContext(context.Background(), method, url, rd)
 	if err != nil {
-		t.Fatal(err)
+		return answer{}, err
 	}
 	if body != "" {
 		req.Header.Set("Content-Type", "application/json")
@@ -126,14 +137,14 @@ func (e *env) do(t *testing.T, method, path, body string, headers ...string) ans
 	}
 	resp, err := http.DefaultClient.Do(req)
 	if err != nil {
-		t.Fatal(err)
+		return answer{}, err
 	}
 	defer resp.Body.Close()
 	b, err := io.ReadAll(resp.Body)
 	if err != nil {
-		t.Fatal(err)
+		return answer{}, err
 	}
-	return answer{resp.StatusCode, resp.Header, b}
+	return answer{resp.StatusCode, resp.Header, b}, nil
 }
 
 // post is a side-effecting call as agent a with key.

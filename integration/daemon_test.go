@@ -12,7 +12,6 @@ import (
 	"os/exec"
 	"path/filepath"
 	"strings"
-	"sync"
 	"syscall"
 	"testing"
 	"time"
@@ -20,6 +19,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/receiptledger/reconciler/internal/pgtest"
+	"github.com/receiptledger/reconciler/internal/testkit"
 	"github.com/receiptledger/reconciler/readback"
 	"github.com/receiptledger/reconciler/reconcile"
 )
@@ -116,31 +116,14 @@ func writeFile(t *testing.T, name, content string) string {
 // daemon is a `reconciler run` process.
 type daemon struct {
 	cmd    *exec.Cmd
-	stderr *syncBuffer
+	stderr *testkit.LogBuffer
 	done   chan error
-}
-
-type syncBuffer struct {
-	mu sync.Mutex
-	b  bytes.Buffer
-}
-
-func (s *syncBuffer) Write(p []byte) (int, error) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.Write(p)
-}
-
-func (s *syncBuffer) String() string {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.String()
 }
 
 func startDaemon(t *testing.T, bin, dbURL string, args ...string) *daemon {
 	t.Helper()
 	cmd := exec.Command(bin, append([]string{"run", "--database-url", dbURL}, args...)...)
-	d := &daemon{cmd: cmd, stderr: &syncBuffer{}, done: make(chan error, 1)}
+	d := &daemon{cmd: cmd, stderr: &testkit.LogBuffer{}, done: make(chan error, 1)}
 	cmd.Stderr = d.stderr
 	if err := cmd.Start(); err != nil {
 		t.Fatal(err)

@@ -16,30 +16,16 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 
+	"github.com/receiptledger/reconciler/internal/testkit"
 	"github.com/receiptledger/reconciler/readback"
 	"github.com/receiptledger/reconciler/reconcile"
 )
 
 // clock is an injected clock the test advances; it starts at the real time
 // so timestamps the database stamps (submitted_at) line up with it.
-type clock struct {
-	mu  sync.Mutex
-	now time.Time
-}
+type clock = testkit.Clock
 
-func newClock() *clock { return &clock{now: time.Now()} }
-
-func (c *clock) Now() time.Time {
-	c.mu.Lock()
-	defer c.mu.Unlock()
-	return c.now
-}
-
-func (c *clock) Advance(d time.Duration) {
-	c.mu.Lock()
-	defer c.mu.Unlock()
-	c.now = c.now.Add(d)
-}
+func newClock() *clock { return testkit.NewClock(time.Now()) }
 
 // seed inserts n receipts of operation/dependency and moves them to state
 // ("planned", "submitted" or "outcome_unknown") as an agent would; it returns their ids.

@@ -22,28 +22,16 @@ func TestRunWokenByNotifyAfterTheListenerReconnects(t *testing.T) {
 	api := newFakeAPI(t, time.Now, 0)
 	pool := newPool(t, db, reconcile.Config{Registry: registry(t, api, shortPolicy()), Now: time.Now,
 		Workers: 2, BatchSize: 8, MaxInFlight: 8, PollInterval: time.Minute, OrphanTimeout: -1})
-	ctx, cancel := context.WithCancel(context.Background())
-	done := make(chan error, 1)
-	go func() { _, err := pool.Run(ctx); done <- err }()
-	defer func() {
-		cancel()
-		if err := <-done; err != nil {
-			t.Error(err)
-		}
-	}()
+	runPool(t, pool)
 
 	first := dueListener(t, db, 0)
-	if _, err := db.Exec(ctx, `SELECT pg_terminate_backend($1)`, first); err != nil {
+	if _, err := db.Exec(context.Background(), `SELECT pg_terminate_backend($1)`, first); err != nil {
 		t.Fatal(err)
 	}
 	dueListener(t, db, first)
 	id := seed(t, db, 1, "things.create", "fake-api", "outcome_unknown")[0]
-	for deadline := time.Now().Add(5 * time.Second); checkCount(t, db, id) == 0; {
-		if time.Now().After(deadline) {
-			t.Fatal("the new outcome_unknown receipt was not checked within 5 s (poll interval 1 minute)")
-		}
-		time.Sleep(5 * time.Millisecond) // polling a condition
-	}
+	waitFor(t, 5*time.Second, "the new outcome_unknown receipt checked (poll interval 1 minute)",
+		func() (bool, string) { return checkCount(t, db, id) > 0, "" })
 }
 
 // dueListener waits (bounded) until a session other than not LISTENs on

@@ -1,9 +1,7 @@
 package integration
 
 import (
-	"bufio"
 	"context"
-	"encoding/json"
 	"fmt"
 	"log/slog"
 	"strings"
@@ -14,6 +12,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/receiptledger/reconciler/internal/pgtest"
+	"github.com/receiptledger/reconciler/internal/testkit"
 	"github.com/receiptledger/reconciler/readback"
 	"github.com/receiptledger/reconciler/reconcile"
 )
@@ -40,7 +39,7 @@ func TestRefusedRowDoesNotHoldItsBatch(t *testing.T) {
 	present := readback.Binding{Name: "static", Kind: readback.Create, Dependency: "static-api", Policy: shortPolicy(),
 		Adapter: readback.Static{Verdict: readback.VerdictPresent, ExternalID: "thing-1", Authoritative: true}}
 	reg := prometheus.NewRegistry()
-	logs := &syncBuffer{}
+	logs := &testkit.LogBuffer{}
 	clk := newClock()
 	pool := newPool(t, db, reconcile.Config{Instance: "refusing", Registry: registry(t, nil, shortPolicy(), present),
 		Now: clk.Now, Metrics: reconcile.NewMetrics(reg), PollInterval: 50 * time.Millisecond,
@@ -83,59 +82,15 @@ func TestRefusedRowDoesNotHoldItsBatch(t *testing.T) {
 	if sum.Refused != 1 || total(sum.Settled) != 7 || sum.LeaseLost != 0 {
 		t.Fatalf("summary %+v, want 7 settled, 1 refused, no lease lost", sum)
 	}
-	if n := labelled(t, reg, "reconciler_writes_refused_total", map[string]string{"statement": "complete", "sqlstate_class": "P0"}); n != 1 {
+	if n := testkit.Metric(t, reg, "reconciler_writes_refused_total", map[string]string{"statement": "complete", "sqlstate_class": "P0"}); n != 1 {
 		t.Fatalf(`reconciler_writes_refused_total{statement="complete",sqlstate_class="P0"} = %v, want 1`, n)
 	}
-	line := logLine(t, logs.String(), "outcome refused by the database", bad)
+	line := testkit.LogLine(t, logs.String(), "outcome refused by the database", bad)
 	if line["level"] != "ERROR" || line["sqlstate"] != "P0001" || line["statement"] != "complete" ||
 		line["outcome"] != "succeeded" || line["external_id"] != "thing-1" || line["hint"] == nil ||
 		!strings.Contains(fmt.Sprint(line["fate"]), "released with a check error") {
 		t.Fatalf("log line %v: want an ERROR naming the SQLSTATE, a hint, the fate and the verdict", line)
 	}
-}
-
-// labelled returns the value of the counter name{labels} in reg (0 if
-// absent).
-func labelled(t testing.TB, reg *prometheus.Registry, name string, labels map[string]string) float64 {
-	t.Helper()
-	mfs, err := reg.Gather()
-	if err != nil {
-		t.Fatal(err)
-	}
-	for _, mf := range mfs {
-		if mf.GetName() != name {
-			continue
-		}
-	metric:
-		for _, m := range mf.GetMetric() {
-			for _, l := range m.GetLabel() {
-				if v, ok := labels[l.GetName()]; ok && v != l.GetValue() {
-					continue metric
-				}
-			}
-			return m.GetCounter().GetValue()
-		}
-	}
-	return 0
-}
-
-// logLine returns the first JSON log line with message msg about receipt
-// id, failing the test if there is none.
-func logLine(t testing.TB, logs, msg string, id int64) map[string]any {
-	t.Helper()
-	sc := bufio.NewScanner(strings.NewReader(logs))
-	sc.Buffer(make([]byte, 1<<20), 1<<20)
-	for sc.Scan() {
-		var m map[string]any
-		if json.Unmarshal(sc.Bytes(), &m) != nil {
-			continue
-		}
-		if m["msg"] == msg && m["receipt_id"] == float64(id) {
-			return m
-		}
-	}
-	t.Fatalf("no log line %q for receipt %d in:\n%s", msg, id, logs)
-	return nil
 }
 
 // The split of a refused batch writes row by row, each statement committed
@@ -168,7 +123,7 @@ func TestRefusalSurvivesATransientFailureMidSplit(t *testing.T) {
 	}
 	present := readback.Binding{Name: "static", Kind: readback.Create, Dependency: "static-api", Policy: shortPolicy(),
 		Adapter: readback.Static{Verdict: readback.VerdictPresent, ExternalID: "thing-1", Authoritative: true}}
-	logs := &syncBuffer{}
+	logs := &testkit.LogBuffer{}
 	// Both rows are claimed together and, with a long flush interval, their
 	// outcomes are written in one batch.
 	pool := newPool(t, db, reconcile.Config{Instance: "flaky-split", Registry: registry(t, nil, shortPolicy(), present),
@@ -191,7 +146,7 @@ func TestRefusalSurvivesATransientFailureMidSplit(t *testing.T) {
 		if r := receipt(t, db, id); r.State != "reconciling" || r.LeaseOwner != "" || r.Checks != 1 {
 			t.Fatalf("receipt %d: %+v, want released with its check error counted", id, r)
 		}
-		line := logLine(t, logs.String(), "outcome refused by the database", id)
+		line := testkit.LogLine(t, logs.String(), "outcome refused by the database", id)
 		if line["level"] != "ERROR" || line["sqlstate"] != "P0001" || line["external_id"] != "thing-1" {
 			t.Fatalf("log line %v: want an ERROR naming the SQLSTATE and the verdict", line)
 		}
@@ -225,7 +180,7 @@ func TestRefusedClaimDoesNotStopTheOthers(t *testing.T) {
 		Adapter: readback.Static{Verdict: readback.VerdictPresent, ExternalID: "thing-1", Authoritative: true}}
 	drain := func(name string) (reconcile.Summary, *prometheus.Registry, string) {
 		reg := prometheus.NewRegistry()
-		logs := &syncBuffer{}
+		logs := &testkit.LogBuffer{}
 		pool := newPool(t, db, reconcile.Config{Instance: name, Registry: registry(t, nil, shortPolicy(), present),
 			Metrics: reconcile.NewMetrics(reg), Logger: slog.New(slog.NewJSONHandler(logs, nil))})
 		dctx, cancel := context.WithTimeout(ctx, time.Minute)
@@ -249,10 +204,10 @@ func TestRefusedClaimDoesNotStopTheOthers(t *testing.T) {
 	if sum.Refused != 1 || total(sum.Settled) != 5 {
 		t.Fatalf("summary %+v, want 5 settled and 1 refused", sum)
 	}
-	if n := labelled(t, reg, "reconciler_writes_refused_total", map[string]string{"statement": "claim", "sqlstate_class": "P0"}); n != 1 {
+	if n := testkit.Metric(t, reg, "reconciler_writes_refused_total", map[string]string{"statement": "claim", "sqlstate_class": "P0"}); n != 1 {
 		t.Fatalf(`reconciler_writes_refused_total{statement="claim",sqlstate_class="P0"} = %v, want 1 (refused once, then left out)`, n)
 	}
-	line := logLine(t, logs, "claim refused by the database; the receipt is left out of claims for a while", bad)
+	line := testkit.LogLine(t, logs, "claim refused by the database; the receipt is left out of claims for a while", bad)
 	if line["level"] != "ERROR" || line["sqlstate"] != "P0001" || line["hint"] == nil || line["retry_at"] == nil {
 		t.Fatalf("log line %v: want an ERROR naming the SQLSTATE, a hint and when it is tried again", line)
 	}
@@ -340,7 +295,7 @@ func TestRefusingEveryClaimIsBounded(t *testing.T) {
 	if sum.Refused > reconcile.MaxUnclaimable || total(sum.Settled) != 0 || sum.Claimed != 0 {
 		t.Fatalf("summary %+v: want at most %d receipts refused and left out, none claimed", sum, reconcile.MaxUnclaimable)
 	}
-	if n := labelled(t, reg, "reconciler_writes_refused_total", map[string]string{"statement": "claim"}); n > reconcile.MaxUnclaimable {
+	if n := testkit.Metric(t, reg, "reconciler_writes_refused_total", map[string]string{"statement": "claim"}); n > reconcile.MaxUnclaimable {
 		t.Fatalf(`reconciler_writes_refused_total{statement="claim"} = %v, want at most %d`, n, reconcile.MaxUnclaimable)
 	}
 }

@@ -20,6 +20,7 @@ import (
 
 	"github.com/receiptledger/reconciler/fingerprint"
 	"github.com/receiptledger/reconciler/internal/pgtest"
+	"github.com/receiptledger/reconciler/internal/testkit"
 	"github.com/receiptledger/reconciler/ledger"
 	"github.com/receiptledger/reconciler/migrations"
 	"github.com/receiptledger/reconciler/readback"
@@ -425,7 +426,7 @@ func useUpgraded(t *testing.T, db *pgxpool.Pool, tag string, ids map[string]int6
 		t.Fatalf("human resolution of the held receipt: %v", err)
 	}
 
-	clk := &clock{now: dbNow(t, db)}
+	clk := testkit.NewClock(dbNow(t, db))
 	present := readback.Binding{Name: "static", Kind: readback.Create, Dependency: upgradeDependency, Policy: shortPolicy(),
 		Adapter: readback.Static{Verdict: readback.VerdictPresent, ExternalID: "thing-read-back", Authoritative: true}}
 	pool := newPool(t, db, reconcile.Config{Instance: "upgraded", Registry: registry(t, nil, shortPolicy(), present), Now: clk.Now})

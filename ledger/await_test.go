@@ -1,7 +1,6 @@
 package ledger_test
 
 import (
-	"bytes"
 	"context"
 	"errors"
 	"log/slog"
@@ -13,6 +12,7 @@ import (
 
 	"github.com/jackc/pgx/v5/pgxpool"
 
+	"github.com/receiptledger/reconciler/internal/testkit"
 	"github.com/receiptledger/reconciler/ledger"
 	"github.com/receiptledger/reconciler/statemachine"
 )
@@ -264,7 +264,7 @@ func TestNotifySettledSharesAwaitsConnection(t *testing.T) {
 // receipt again when LISTEN is back in effect. The failure is logged to
 // the client's logger (WithLogger) before that.
 func TestAwaitSurvivesTheListenerBeingTerminated(t *testing.T) {
-	var logs lockedBuffer
+	var logs testkit.LogBuffer
 	c := newClient(t).WithLogger(slog.New(slog.NewTextHandler(&logs, nil)))
 	r := unknownReceipt(t, c, "await:terminated:articles.create")
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
@@ -291,22 +291,4 @@ func TestAwaitSurvivesTheListenerBeingTerminated(t *testing.T) {
 	if got := logs.String(); !strings.Contains(got, "LISTEN connection failed") || !strings.Contains(got, "reconciler_settled") {
 		t.Fatalf("the listener's failure was not logged to the client's logger; logs:\n%s", got)
 	}
-}
-
-// lockedBuffer is a log destination safe for the listener's goroutine.
-type lockedBuffer struct {
-	mu sync.Mutex
-	b  bytes.Buffer
-}
-
-func (l *lockedBuffer) Write(p []byte) (int, error) {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.b.Write(p)
-}
-
-func (l *lockedBuffer) String() string {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.b.String()
 }

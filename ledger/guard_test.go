@@ -21,6 +21,7 @@ import (
 	"time"
 
 	"github.com/receiptledger/reconciler/internal/pgtest"
+	"github.com/receiptledger/reconciler/internal/testkit"
 	"github.com/receiptledger/reconciler/ledger"
 	"github.com/receiptledger/reconciler/statemachine"
 )
@@ -171,7 +172,7 @@ func TestIssue7SendDeadlineCountsFromBeforeSubmit(t *testing.T) {
 		done <- outcome{res, err}
 	}()
 	// Wait until the submit is blocked on the lock: Do has taken its t0.
-	waitFor(t, "the submit to wait for the row lock", func() bool {
+	testkit.WaitFor(t, "the submit to wait for the row lock", func() bool {
 		var n int
 		err := env.pool.QueryRow(ctx, `SELECT count(*) FROM pg_stat_activity
 			WHERE datname = current_database() AND wait_event_type = 'Lock'
@@ -234,7 +235,7 @@ func TestIssue7SendDeadlineCountsFromBeforePlanAndSubmit(t *testing.T) {
 		res, err := caller.Do(ctx, in, req)
 		done <- outcome{res, err}
 	}()
-	waitFor(t, "the INSERT to wait for the table lock", func() bool {
+	testkit.WaitFor(t, "the INSERT to wait for the table lock", func() bool {
 		var n int
 		err := env.pool.QueryRow(ctx, `SELECT count(*) FROM pg_stat_activity
 			WHERE datname = current_database() AND wait_event_type = 'Lock'
@@ -267,18 +268,6 @@ func TestIssue7SendDeadlineCountsFromBeforePlanAndSubmit(t *testing.T) {
 	}
 	if !ahead {
 		t.Errorf("Do rejected the receipt after the database's send deadline: the local deadline started too late")
-	}
-}
-
-// waitFor polls cond until it holds, failing the test after 30 s.
-func waitFor(t *testing.T, what string, cond func() bool) {
-	t.Helper()
-	deadline := time.Now().Add(30 * time.Second)
-	for !cond() {
-		if time.Now().After(deadline) {
-			t.Fatalf("timed out waiting for %s", what)
-		}
-		time.Sleep(5 * time.Millisecond)
 	}
 }
 

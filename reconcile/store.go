@@ -132,16 +132,21 @@ func (s *Store) claim(ctx context.Context, a claimArgs) ([]Claimed, error) {
 // leaving out skip, without claiming them: the candidates of a claim the
 // database refused, to be claimed apart.
 func (s *Store) due(ctx context.Context, dueBy time.Time, limit int, skip []int64) ([]int64, error) {
-	rows, err := s.pool.Query(ctx, sqlDue, pgx.QueryExecModeCacheDescribe, pgx.NamedArgs{
+	ids, err := s.ids(ctx, sqlDue, pgx.QueryExecModeCacheDescribe, pgx.NamedArgs{
 		"due_by": dueBy, "limit": limit, "skip": skip, "only": nil})
 	if err != nil {
 		return nil, fmt.Errorf("reconcile: due rows: %w", err)
 	}
-	ids, err := pgx.CollectRows(rows, pgx.RowTo[int64])
-	if err != nil {
-		return nil, fmt.Errorf("reconcile: due rows: %w", err)
-	}
 	return ids, nil
+}
+
+// ids runs a statement that returns receipt ids, and collects them.
+func (s *Store) ids(ctx context.Context, sql string, args ...any) ([]int64, error) {
+	rows, err := s.pool.Query(ctx, sql, args...)
+	if err != nil {
+		return nil, err
+	}
+	return pgx.CollectRows(rows, pgx.RowTo[int64])
 }
 
 // Renew extends to expires the leases of the rows ids, each still held by
@@ -150,11 +155,7 @@ func (s *Store) Renew(ctx context.Context, ids []int64, tokens []string, expires
 	if len(ids) == 0 {
 		return nil, nil
 	}
-	rows, err := s.pool.Query(ctx, sqlRenew, ids, tokens, expires)
-	if err != nil {
-		return nil, fmt.Errorf("reconcile: renew leases: %w", err)
-	}
-	renewed, err := pgx.CollectRows(rows, pgx.RowTo[int64])
+	renewed, err := s.ids(ctx, sqlRenew, ids, tokens, expires)
 	if err != nil {
 		return nil, fmt.Errorf("reconcile: renew leases: %w", err)
 	}
@@ -602,15 +603,11 @@ func (s *Store) writeRefused(ctx context.Context, o Outcome, cause error, retry 
 // release runs one of the statements that release a refused row, and
 // returns the id if the row was still leased by the token.
 func (s *Store) release(ctx context.Context, sql string, id int64, args ...any) ([]int64, error) {
-	rows, err := s.pool.Query(ctx, sql, append([]any{id}, args...)...)
-	if err == nil {
-		var ids []int64
-		ids, err = pgx.CollectRows(rows, pgx.RowTo[int64])
-		if err == nil {
-			return ids, nil
-		}
+	ids, err := s.ids(ctx, sql, append([]any{id}, args...)...)
+	if err != nil {
+		return nil, fmt.Errorf("reconcile: release receipt %d after its outcome was refused: %w", id, err)
 	}
-	return nil, fmt.Errorf("reconcile: release receipt %d after its outcome was refused: %w", id, err)
+	return ids, nil
 }
 
 // write applies outcomes (already sanitized) in one statement.

@@ -1,10 +1,7 @@
 package rolestest
 
 import (
-	"bufio"
-	"bytes"
 	"context"
-	"encoding/json"
 	"errors"
 	"log/slog"
 	"os"
@@ -16,6 +13,7 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus"
 
+	"github.com/receiptledger/reconciler/internal/testkit"
 	"github.com/receiptledger/reconciler/ledger"
 	"github.com/receiptledger/reconciler/readback"
 	"github.com/receiptledger/reconciler/reconcile"
@@ -51,8 +49,8 @@ func TestWorkerMissingAGrant(t *testing.T) {
 		Policy:  readback.DefaultPolicy()}); err != nil {
 		t.Fatal(err)
 	}
-	clk := &testClock{now: time.Now()}
-	logs := &syncBuffer{}
+	clk := testkit.NewClock(time.Now())
+	logs := &testkit.LogBuffer{}
 	prom := prometheus.NewRegistry()
 	pool, err := reconcile.New(e.worker, reconcile.Config{Instance: workerID, Registry: reg, Now: clk.Now,
 		PollInterval: 20 * time.Millisecond, Metrics: reconcile.NewMetrics(prom),
@@ -88,7 +86,7 @@ func TestWorkerMissingAGrant(t *testing.T) {
 		}
 		return n == len(ids)
 	}
-	waitFor(t, "the refused rows released, their next check pushed", func() bool {
+	testkit.WaitFor(t, "the refused rows released, their next check pushed", func() bool {
 		return released(ids) && pool.WritesRefused() != nil
 	})
 	err = pool.WritesRefused()
@@ -96,14 +94,14 @@ func TestWorkerMissingAGrant(t *testing.T) {
 		!strings.Contains(err.Error(), "docs/roles.sql") {
 		t.Fatalf("WritesRefused = %v, want ErrWritesRefused naming 42501 and docs/roles.sql", err)
 	}
-	if v := metric(t, prom, "reconciler_writes_blocked", nil); v != 1 {
+	if v := testkit.Metric(t, prom, "reconciler_writes_blocked", nil); v != 1 {
 		t.Fatalf("reconciler_writes_blocked = %v, want 1", v)
 	}
-	if v := metric(t, prom, "reconciler_writes_refused_total", map[string]string{"statement": "complete", "sqlstate_class": "42"}); v != 3 {
+	if v := testkit.Metric(t, prom, "reconciler_writes_refused_total", map[string]string{"statement": "complete", "sqlstate_class": "42"}); v != 3 {
 		t.Fatalf(`reconciler_writes_refused_total{statement="complete",sqlstate_class="42"} = %v, want 3`, v)
 	}
 	for _, id := range ids {
-		l := logLine(t, logs.String(), "outcome refused by the database", id)
+		l := testkit.LogLine(t, logs.String(), "outcome refused by the database", id)
 		if l["level"] != "ERROR" || l["sqlstate"] != "42501" || !strings.Contains(l["hint"].(string), "docs/roles.sql") ||
 			l["outcome"] != "succeeded" || l["check_verdict"] != "present" || l["external_id"] != "thing-1" {
 			t.Fatalf("log line %v: want an ERROR with the SQLSTATE, the grant to add and the verdict", l)
@@ -128,7 +126,7 @@ func TestWorkerMissingAGrant(t *testing.T) {
 	}
 	more := []int64{unknown(t, agent, "g:3", "static-api").ID, unknown(t, agent, "g:4", "static-api").ID}
 	clk.Advance(10 * time.Second) // past the new rows' creation, short of the refused rows' next check
-	waitFor(t, "the new rows refused and released too", func() bool { return released(more) })
+	testkit.WaitFor(t, "the new rows refused and released too", func() bool { return released(more) })
 	var claims []int64
 	if err := e.owner.QueryRow(ctx, `SELECT coalesce(array_agg(n ORDER BY at), '{}') FROM public.claims`).Scan(&claims); err != nil {
 		t.Fatal(err)
@@ -147,7 +145,7 @@ func TestWorkerMissingAGrant(t *testing.T) {
 	}
 	clk.Advance(2 * reconcile.WriteRefusedRetry)
 	all := append(append([]int64{}, ids...), more...)
-	waitFor(t, "every receipt settled once the grant is back", func() bool {
+	testkit.WaitFor(t, "every receipt settled once the grant is back", func() bool {
 		var n int
 		if err := e.owner.QueryRow(ctx, `SELECT count(*) FROM reconciler.receipts WHERE id = ANY($1) AND state = 'succeeded'`,
 			all).Scan(&n); err != nil {
@@ -158,7 +156,7 @@ func TestWorkerMissingAGrant(t *testing.T) {
 	if err := pool.WritesRefused(); err != nil {
 		t.Fatalf("WritesRefused after the grant is back: %v", err)
 	}
-	if v := metric(t, prom, "reconciler_writes_blocked", nil); v != 0 {
+	if v := testkit.Metric(t, prom, "reconciler_writes_blocked", nil); v != 0 {
 		t.Fatalf("reconciler_writes_blocked = %v after the grant is back, want 0", v)
 	}
 	var odd int
@@ -172,98 +170,6 @@ func TestWorkerMissingAGrant(t *testing.T) {
 	if sum := stop(); sum.Refused != 5 || sum.Settled["succeeded"] != 5 || sum.LeaseLost != 0 {
 		t.Fatalf("summary %+v, want 5 refused then 5 settled, no lease lost", sum)
 	}
-}
-
-// metric returns the value of the counter or gauge name{labels} in reg (0
-// if absent).
-func metric(t *testing.T, reg *prometheus.Registry, name string, labels map[string]string) float64 {
-	t.Helper()
-	mfs, err := reg.Gather()
-	if err != nil {
-		t.Fatal(err)
-	}
-	for _, mf := range mfs {
-		if mf.GetName() != name {
-			continue
-		}
-	series:
-		for _, m := range mf.GetMetric() {
-			for _, l := range m.GetLabel() {
-				if v, ok := labels[l.GetName()]; ok && v != l.GetValue() {
-					continue series
-				}
-			}
-			if g := m.GetGauge(); g != nil {
-				return g.GetValue()
-			}
-			return m.GetCounter().GetValue()
-		}
-	}
-	return 0
-}
-
-// waitFor polls cond until it holds or 30 s pass.
-func waitFor(t *testing.T, what string, cond func() bool) {
-	t.Helper()
-	deadline := time.Now().Add(30 * time.Second)
-	for !cond() {
-		if time.Now().After(deadline) {
-			t.Fatalf("timed out waiting for %s", what)
-		}
-		time.Sleep(10 * time.Millisecond)
-	}
-}
-
-// testClock is an injected clock the test advances.
-type testClock struct {
-	mu  sync.Mutex
-	now time.Time
-}
-
-func (c *testClock) Now() time.Time {
-	c.mu.Lock()
-	defer c.mu.Unlock()
-	return c.now
-}
-
-func (c *testClock) Advance(d time.Duration) {
-	c.mu.Lock()
-	defer c.mu.Unlock()
-	c.now = c.now.Add(d)
-}
-
-// syncBuffer collects the pool's logs.
-type syncBuffer struct {
-	mu sync.Mutex
-	b  bytes.Buffer
-}
-
-func (s *syncBuffer) Write(p []byte) (int, error) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.Write(p)
-}
-
-func (s *syncBuffer) String() string {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.String()
-}
-
-// logLine returns the first JSON log line with message msg about receipt
-// id, failing the test if there is none.
-func logLine(t *testing.T, logs, msg string, id int64) map[string]any {
-	t.Helper()
-	sc := bufio.NewScanner(strings.NewReader(logs))
-	sc.Buffer(make([]byte, 1<<20), 1<<20)
-	for sc.Scan() {
-		var m map[string]any
-		if json.Unmarshal(sc.Bytes(), &m) == nil && m["msg"] == msg && m["receipt_id"] == float64(id) {
-			return m
-		}
-	}
-	t.Fatalf("no log line %q for receipt %d in:\n%s", msg, id, logs)
-	return nil
 }
 
 // A drain (`run --once`, from cron) whose outcomes the database refuses as
