@@ -55,11 +55,15 @@ type Evidence struct {
 	// ReadAt is when the read began, on the database's clock.
 	ReadAt *time.Time `json:"read_at,omitempty"`
 	// SendDeadline is the latest moment the original could have been sent.
-	SendDeadline       *time.Time         `json:"send_deadline,omitempty"`
-	ConsistencyWindow  string             `json:"consistency_window,omitempty"`
-	MaxRequestLifetime string             `json:"max_request_lifetime,omitempty"`
-	Guarantee          readback.Guarantee `json:"guarantee,omitempty"`
-	AbsenceSafeAt      *time.Time         `json:"absence_safe_at,omitempty"`
+	SendDeadline       *time.Time `json:"send_deadline,omitempty"`
+	ConsistencyWindow  string     `json:"consistency_window,omitempty"`
+	MaxRequestLifetime string     `json:"max_request_lifetime,omitempty"`
+	// EffectiveWindow is set when a window alarm widened the declared
+	// window (max_request_lifetime + consistency_window): the window the
+	// absence waited for instead (docs/verdict-audits.md).
+	EffectiveWindow string             `json:"effective_window,omitempty"`
+	Guarantee       readback.Guarantee `json:"guarantee,omitempty"`
+	AbsenceSafeAt   *time.Time         `json:"absence_safe_at,omitempty"`
 	// ReuseKeyBefore is set when absence relied on the API's native
 	// idempotency keys: the retry must reuse the original key before then.
 	ReuseKeyBefore *time.Time `json:"reuse_idempotency_key_before,omitempty"`
@@ -129,6 +133,9 @@ type decider struct {
 	int63n func(int64) int64
 	// sched picks the next check; nil means PolicyJitter over int63n.
 	sched Schedule
+	// windows are the effective windows: absences wait for them (nil:
+	// the declared ones).
+	windows *Windows
 }
 
 // observe tells a learning schedule what a read of c that began at readAt
@@ -297,10 +304,13 @@ func ControlNeeded(o Outcome) ControlKind {
 // settles only if ctl says the adapter's positive control passed.
 func (d decider) decide(readAt, answeredAt time.Time, c Claimed, b *readback.Binding, res readback.Result, checkErr error, latency time.Duration, ctl controlVerdict) Outcome {
 	now := readAt
-	p := b.Policy
+	p := d.windows.Policy(b)
 	checks := c.Checks + 1
 	rec := &CheckRecord{CheckNo: checks, At: readAt, Adapter: b.Name, Dependency: c.Dependency, Latency: latency}
 	ev := d.evidence(now, c, b, checks)
+	if p.ConsistencyWindow != b.Policy.ConsistencyWindow {
+		ev.EffectiveWindow = DeclaredWindow(p).String()
+	}
 	ra := readAt
 	ev.ReadAt = &ra
 	out := Outcome{ID: c.ID, Lease: c.Lease, Check: rec, Adapter: b.Name, Dependency: c.Dependency}

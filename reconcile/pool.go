@@ -130,6 +130,9 @@ type Config struct {
 	ControlRetry    time.Duration
 	ControlValidFor time.Duration
 	ControlScan     int
+	// Audits configures the audits of settled absences and the window
+	// alarms (docs/verdict-audits.md).
+	Audits AuditConfig
 }
 
 func (c Config) withDefaults() Config {
@@ -179,6 +182,7 @@ func (c Config) withDefaults() Config {
 	if c.ControlScan == 0 {
 		c.ControlScan = ControlScan
 	}
+	c.Audits = c.Audits.withDefaults()
 	return c
 }
 
@@ -203,6 +207,9 @@ func (c Config) validate() error {
 		// may outlast the lease); a lease must survive one missed renewal.
 		return bad("heartbeat (%s) must be at most half the lease (%s)", c.Heartbeat, c.Lease)
 	}
+	if err := c.Audits.validate(); err != nil {
+		return bad("%v", err)
+	}
 	return nil
 }
 
@@ -224,6 +231,8 @@ type Pool struct {
 	// caller injected Now.
 	clock *dbclock.Clock
 	ctl   controls
+	// windows are the effective windows of the adapters' declarations.
+	windows *Windows
 	// refusals are the statements the database refuses as such (a
 	// privilege, the schema): claims back off while complete is one.
 	refusals refusals
@@ -253,9 +262,10 @@ func New(db *pgxpool.Pool, cfg Config) (*Pool, error) {
 		}
 		cfg.Now = clock.Now
 	}
+	windows := &Windows{}
 	p := &Pool{
-		cfg: cfg, db: db, store: store,
-		dec:   decider{int63n: cfg.Int63n, sched: cfg.Schedule},
+		cfg: cfg, db: db, store: store, windows: windows,
+		dec:   decider{int63n: cfg.Int63n, sched: cfg.Schedule, windows: windows},
 		log:   cfg.Logger.With("instance", cfg.Instance),
 		m:     cfg.Metrics,
 		clock: clock,
@@ -482,6 +492,13 @@ func (p *Pool) serve(ctx context.Context, once bool) (Summary, error) {
 		listener.Go(func() { l.Run(listenCtx) })
 		defer func() { stopListen(); listener.Wait() }()
 	}
+	if err := p.loadWindows(ctx); err != nil && ctx.Err() == nil {
+		s.dbError("effective windows", err)
+	}
+	var auditor sync.WaitGroup
+	if !once && !p.cfg.Audits.Off {
+		auditor.Go(s.auditLoop)
+	}
 	err := s.claimLoop(once, wake)
 
 	close(s.jobs)
@@ -490,6 +507,13 @@ func (p *Pool) serve(ctx context.Context, once bool) (Summary, error) {
 	close(s.outcomes)
 	completer.Wait()
 	recorder.Wait()
+	auditor.Wait()
+	if once && err == nil && ctx.Err() == nil {
+		// A drain audits what is due once its settling is done.
+		if _, aerr := p.auditDue(ctx, func() bool { return ctx.Err() == nil }); aerr != nil {
+			s.dbError("audit", aerr)
+		}
+	}
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	return s.summary, err
@@ -1111,6 +1135,7 @@ func (s *session) process(c Claimed) Outcome {
 		// that kind, for this receipt's operation, has passed recently.
 		out = p.dec.decide(readAt, answeredAt, c, b, res, cerr, latency, s.control(b, c.Receipt, kind))
 	}
+	s.found(c, b, readAt, out)
 	if p.m != nil {
 		outcome := string(res.Verdict)
 		if cerr != nil {
