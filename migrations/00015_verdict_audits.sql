@@ -98,14 +98,25 @@ CREATE TRIGGER window_alarms_no_truncate BEFORE TRUNCATE ON reconciler.window_al
 
 -- Queues the audit of every absence the reconciler settles: safe_to_retry,
 -- and a delete's succeeded (reason "deleted"), moved from reconciling. A
--- reviewer's verdict is not audited. SECURITY DEFINER, like the webhook
--- queue's: the worker settles, the queue is the owner's.
+-- reviewer's verdict is not audited. settled_at is when the read the
+-- verdict rests on began (its evidence's read_at, on the reconciler's
+-- clock, the database's), else the move's time. SECURITY DEFINER, like the
+-- webhook queue's: the worker settles, the queue is the owner's.
 -- +goose StatementBegin
 CREATE FUNCTION reconciler.receipts_queue_audit() RETURNS trigger
 LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
+DECLARE
+    read_at text := NEW.state_detail -> 'evidence' ->> 'read_at';
+    settled timestamptz := NEW.updated_at;
 BEGIN
+    -- Only the reconciler writes this evidence (Go's RFC 3339). No
+    -- EXCEPTION block: it would cost a subtransaction per settled row of a
+    -- batch; a read_at of another shape is ignored.
+    IF read_at ~ '^\d{4}-[01]\d-[0-3]\dT[0-2]\d:[0-5]\d:[0-5]\d(\.\d+)?(Z|[+-]\d\d:\d\d)$' THEN
+        settled := read_at::timestamptz;
+    END IF;
     INSERT INTO reconciler.audit_queue (receipt_id, dependency, settled_state, settled_at)
-    VALUES (NEW.id, NEW.dependency, NEW.state, NEW.updated_at)
+    VALUES (NEW.id, NEW.dependency, NEW.state, settled)
     ON CONFLICT DO NOTHING;
     RETURN NULL;
 END

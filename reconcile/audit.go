@@ -29,8 +29,10 @@ type AuditConfig struct {
 	// Off disables audits.
 	Off bool
 	// Delay is how long after settlement a verdict is audited; zero means
-	// Multiple × the effective window of the receipt's dependency (the
-	// widest of its adapters').
+	// Multiple × the absence window of the receipt's dependency measured
+	// from submission with the default send delay: Multiple ×
+	// (readback.DefaultMaxSendDelay + the effective window), the widest of
+	// the dependency's adapters'.
 	Delay time.Duration
 	// Multiple is the audit delay in effective windows when Delay is zero
 	// (default DefaultAuditMultiple).
@@ -50,9 +52,9 @@ type AuditConfig struct {
 	Margin float64
 }
 
-// DefaultAuditMultiple is the default audit delay, in effective windows:
-// an effect that outlives its window by up to this many windows is still
-// caught.
+// DefaultAuditMultiple is the default audit delay, in absence windows: an
+// effect whose lag is up to about this many windows (plus one: the
+// settlement) is still caught.
 const DefaultAuditMultiple = 4
 
 // Audit verdicts (reconciler.verdict_audits.verdict).
@@ -119,7 +121,7 @@ func (p *Pool) auditDelays() map[string]time.Duration {
 		}
 		d := a.Delay
 		if d == 0 {
-			d = time.Duration(a.Multiple * float64(p.windows.For(&b).Effective))
+			d = time.Duration(a.Multiple * float64(readback.DefaultMaxSendDelay+p.windows.For(&b).Effective))
 		}
 		out[b.Dependency] = max(out[b.Dependency], d)
 	}

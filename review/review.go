@@ -220,6 +220,9 @@ type Event struct {
 type Timeline struct {
 	Receipt Receipt `json:"receipt"`
 	Events  []Event `json:"events"`
+	// Audits are the reconciler's audit reads of its settled absence
+	// (docs/verdict-audits.md), if any.
+	Audits []Audit `json:"audits,omitempty"`
 }
 
 // Show returns the receipt with id and its whole timeline, read in one
@@ -257,6 +260,9 @@ func Show(ctx context.Context, pool *pgxpool.Pool, id int64) (*Timeline, error) 
 	})
 	if err != nil {
 		return nil, fmt.Errorf("review: timeline of receipt %d: %w", id, err)
+	}
+	if t.Audits, err = audits(ctx, tx, id); err != nil {
+		return nil, err
 	}
 	return &t, nil
 }

@@ -47,3 +47,29 @@ SELECT e.actor, e.at
 FROM reconciler.receipts r
 JOIN reconciler.receipt_events e ON e.receipt_id = r.id AND e.seq = r.version
 WHERE r.id = $1`
+
+// sqlContradicted lists the receipts whose settled absence an audit
+// contradicted, newest audit first: a walk of the partial index
+// verdict_audits_contradicted (few rows), a primary-key lookup of each
+// receipt and of its retry (receipts_retry_of).
+//
+// $1 operation or NULL, $2 dependency or NULL, $3 minimum age in seconds or
+// NULL, $4 limit.
+const sqlContradicted = `
+SELECT r.id, r.idempotency_key, r.operation, r.dependency, r.attempt, r.state,
+       a.settled_at, a.at, a.matches, a.retries,
+       coalesce((SELECT x.id FROM reconciler.receipts x WHERE x.retry_of = r.id), 0)
+FROM reconciler.verdict_audits a
+JOIN reconciler.receipts r ON r.id = a.receipt_id
+WHERE a.verdict = 'contradicted'
+  AND ($1::text IS NULL OR r.operation = $1::text)
+  AND ($2::text IS NULL OR r.dependency = $2::text)
+  AND ($3::float8 IS NULL OR a.at <= now() - make_interval(secs => $3::float8))
+ORDER BY a.at DESC
+LIMIT $4`
+
+// sqlAudits reads one receipt's audits. $1 id.
+const sqlAudits = `
+SELECT at, adapter, settled_state, settled_at, verdict, matches, retries,
+       extract(epoch FROM observed_lag)::float8, evidence
+FROM reconciler.verdict_audits WHERE receipt_id = $1 ORDER BY at, id`
