@@ -48,7 +48,9 @@ func TestAuditFindsAnEffectThatLandedAfterSafeToRetry(t *testing.T) {
 	reg := prometheus.NewRegistry()
 	m := reconcile.NewMetrics(reg)
 	pool := newPool(t, db, reconcile.Config{Registry: registry(t, api, p), Now: clk.Now, Metrics: m})
-	drainUntil(t, pool, clk, 500*time.Millisecond, 200, func() bool { return receipt(t, db, id).State != "reconciling" && receipt(t, db, id).State != "outcome_unknown" })
+	drainUntil(t, pool, clk, 500*time.Millisecond, 200, func() bool {
+		return receipt(t, db, id).State != "reconciling" && receipt(t, db, id).State != "outcome_unknown"
+	})
 	if st := receipt(t, db, id).State; st != "safe_to_retry" {
 		t.Fatalf("settled %s, want safe_to_retry", st)
 	}
@@ -364,4 +366,3 @@ func TestAuditsOnAHealthyAPI(t *testing.T) {
 	}
 	t.Logf("%d absences settled, %d audit reads (%d confirmed), 0 alarms", absences, len(perReceipt), countAudits(t, db, "confirmed"))
 }
-
