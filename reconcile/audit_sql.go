@@ -101,3 +101,39 @@ INSERT INTO reconciler.window_alarms (at, instance, dependency, adapter, operati
 VALUES (@at, @instance, @dependency, @adapter, @operation, @receipt, @kind,
         make_interval(secs => @declared_s::float8), make_interval(secs => @observed_s::float8),
         make_interval(secs => @before_s::float8), make_interval(secs => @after_s::float8), @evidence::jsonb)`
+
+// sqlStatsVerdicts counts the receipts settled by the reconciler since $1
+// by dependency, state and reason. Terminal receipts are not updated after
+// they settle, so updated_at is when they settled.
+const sqlStatsVerdicts = `
+SELECT dependency, state, coalesce(state_detail ->> 'reason', ''), count(*)::int
+FROM reconciler.receipts
+WHERE updated_at >= $1 AND state IN ('succeeded', 'safe_to_retry', 'manual_review')
+  AND state_actor LIKE 'reconciler:%'
+GROUP BY 1, 2, 3`
+
+// sqlStatsAudits counts the audits made since $1 by dependency and verdict.
+const sqlStatsAudits = `
+SELECT dependency, verdict, count(*)::int FROM reconciler.verdict_audits WHERE at >= $1 GROUP BY 1, 2`
+
+// sqlStatsQueue counts the absences waiting for their audit.
+const sqlStatsQueue = `SELECT dependency, count(*)::int FROM reconciler.audit_queue GROUP BY 1`
+
+// sqlStatsLag is the observed lag of the receipts settled present since
+// $1, by dependency and operation: the settling read's time since
+// submission (its evidence).
+const sqlStatsLag = `
+SELECT dependency, operation, count(*)::int,
+       percentile_cont(0.5) WITHIN GROUP (ORDER BY lag), percentile_cont(0.99) WITHIN GROUP (ORDER BY lag),
+       max(lag)
+FROM (SELECT dependency, operation, (state_detail -> 'evidence' ->> 'since_submission_s')::float8 AS lag
+      FROM reconciler.receipts
+      WHERE updated_at >= $1 AND state = 'succeeded'
+        AND state_detail ->> 'reason' IN ('present', 'present_duplicates')
+        AND jsonb_typeof(state_detail -> 'evidence' -> 'since_submission_s') = 'number') s
+GROUP BY 1, 2
+ORDER BY 1, 2`
+
+// sqlStatsAlarms counts the window alarms raised since $1 by dependency.
+const sqlStatsAlarms = `
+SELECT dependency, count(*)::int FROM reconciler.window_alarms WHERE at >= $1 GROUP BY 1`

@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"math"
+	"sort"
 	"sync"
 	"time"
 
@@ -50,6 +51,17 @@ type Window struct {
 	Observed time.Duration `json:"-"`
 	Receipt  int64         `json:"receipt_id,omitempty"`
 	At       time.Time     `json:"at,omitzero"`
+}
+
+// MarshalJSON writes w with its durations in seconds.
+func (w Window) MarshalJSON() ([]byte, error) {
+	type plain Window
+	return json.Marshal(struct {
+		plain
+		DeclaredS  float64  `json:"declared_s"`
+		EffectiveS float64  `json:"effective_s"`
+		ObservedS  *float64 `json:"observed_s,omitempty"`
+	}{plain(w), w.Declared.Seconds(), w.Effective.Seconds(), nullSeconds(w.Observed)})
 }
 
 // Widened reports whether w is wider than its declaration.
@@ -138,6 +150,42 @@ func (w *Windows) Load(ctx context.Context, db *pgxpool.Pool) error {
 	}
 	w.by = by
 	return nil
+}
+
+// Know adds widened windows read elsewhere (VerdictStats) to what w knows.
+func (w *Windows) Know(ws []Window) {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	if w.by == nil {
+		w.by = map[windowKey]Window{}
+	}
+	for _, win := range ws {
+		k := windowKey{win.Dependency, win.Adapter, win.Declared}
+		if cur, ok := w.by[k]; !ok || win.Effective > cur.Effective {
+			w.by[k] = win
+		}
+	}
+}
+
+// all returns the widened windows w knows, by dependency and adapter (the
+// widest of each declaration).
+func (w *Windows) all() []Window {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	out := make([]Window, 0, len(w.by))
+	for _, win := range w.by {
+		out = append(out, win)
+	}
+	sort.Slice(out, func(i, j int) bool {
+		if out[i].Dependency != out[j].Dependency {
+			return out[i].Dependency < out[j].Dependency
+		}
+		if out[i].Adapter != out[j].Adapter {
+			return out[i].Adapter < out[j].Adapter
+		}
+		return out[i].Declared < out[j].Declared
+	})
+	return out
 }
 
 // seconds converts an interval read as seconds to a duration, to the

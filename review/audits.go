@@ -52,6 +52,8 @@ type Contradiction struct {
 	Retries        int                `json:"retries"`
 	// Retried is the id of the receipt that retried this one, if any.
 	Retried int64 `json:"retried_by,omitempty"`
+	// AgeSeconds is the time since the audit, by the database's clock.
+	AgeSeconds float64 `json:"age_s"`
 }
 
 // Contradicted returns the receipts whose settled absence an audit
@@ -74,7 +76,7 @@ func Contradicted(ctx context.Context, pool *pgxpool.Pool, f Filter) ([]Contradi
 		var c Contradiction
 		var state string
 		err := row.Scan(&c.ID, &c.IdempotencyKey, &c.Operation, &c.Dependency, &c.Attempt, &state,
-			&c.SettledAt, &c.AuditedAt, &c.Matches, &c.Retries, &c.Retried)
+			&c.SettledAt, &c.AuditedAt, &c.Matches, &c.Retries, &c.Retried, &c.AgeSeconds)
 		c.State = statemachine.State(state)
 		return c, err
 	})
@@ -103,3 +105,17 @@ func audits(ctx context.Context, tx pgx.Tx, id int64) ([]Audit, error) {
 	}
 	return out, nil
 }
+
+// AsHeld is c as an entry of a review list: reason false_absence, held
+// since the audit that contradicted it, by the reconciler's audit. It is
+// not in manual_review: a person looks for the duplicate the retry made,
+// and resolve does not apply to it.
+func (c Contradiction) AsHeld() Held {
+	age := time.Duration(c.AgeSeconds * float64(time.Second))
+	return Held{ID: c.ID, IdempotencyKey: c.IdempotencyKey, Operation: c.Operation, Dependency: c.Dependency,
+		Attempt: c.Attempt, HeldSince: c.AuditedAt, Age: age, AgeSeconds: age.Seconds(),
+		HeldBy: "reconciler:audit", Reason: FalseAbsence}
+}
+
+// FalseAbsence is the reason of a contradicted verdict in a review list.
+const FalseAbsence = "false_absence"

@@ -58,7 +58,8 @@ WHERE r.id = $1`
 const sqlContradicted = `
 SELECT r.id, r.idempotency_key, r.operation, r.dependency, r.attempt, r.state,
        a.settled_at, a.at, a.matches, a.retries,
-       coalesce((SELECT x.id FROM reconciler.receipts x WHERE x.retry_of = r.id), 0)
+       coalesce((SELECT x.id FROM reconciler.receipts x WHERE x.retry_of = r.id), 0),
+       extract(epoch FROM now() - a.at)::float8
 FROM reconciler.verdict_audits a
 JOIN reconciler.receipts r ON r.id = a.receipt_id
 WHERE a.verdict = 'contradicted'

@@ -38,7 +38,7 @@ var flagDefaults = protect.DefaultPolicy()
 
 // runFlags are the flags of run.
 func runFlags() []cli.Flag {
-	return []cli.Flag{
+	return append([]cli.Flag{
 		databaseURLFlag(),
 		&cli.StringFlag{Name: "adapters", EnvVars: []string{"RECONCILER_ADAPTERS"},
 			Usage: "adapters file (YAML); required unless --no-adapters"},
@@ -78,7 +78,7 @@ func runFlags() []cli.Flag {
 			Usage: "serve /metrics, /healthz and /readyz on this address (e.g. :9090); empty: off"},
 		&cli.StringFlag{Name: "log-level", Value: "info", EnvVars: []string{"RECONCILER_LOG_LEVEL"},
 			Usage: "debug, info, warn or error"},
-	}
+	}, auditFlags()...)
 }
 
 func runCommand() *cli.Command {
@@ -200,6 +200,7 @@ func runAction(c *cli.Context) error {
 		OrphanTimeout:     c.Duration("orphan-timeout"),
 		StalePlannedAfter: c.Duration("stale-planned-after"),
 		GracePeriod:       c.Duration("grace-period"),
+		Audits:            auditConfig(c),
 	}
 	guard, err := protect.New(protect.NewPGStore(db), pcfg, clock, logger)
 	if err != nil {

@@ -13,15 +13,15 @@ import (
 func statsCommand() *cli.Command {
 	return &cli.Command{
 		Name:  "stats",
-		Usage: "print the reconciler's backlog: receipts per non-terminal state, stale planned, orphans, oldest unknown, duplicates",
-		Flags: []cli.Flag{
+		Usage: "print the reconciler's backlog (receipts per non-terminal state, stale planned, orphans, oldest unknown, duplicates) and, per dependency, its verdicts, their audits and the lag observed against the windows",
+		Flags: append([]cli.Flag{
 			databaseURLFlag(),
 			&cli.DurationFlag{Name: "stale-planned-after", Value: time.Hour, EnvVars: []string{"RECONCILER_STALE_PLANNED_AFTER"},
 				Usage: "planned receipts older than this count as stale"},
 			&cli.DurationFlag{Name: "orphan-timeout", Value: 5 * time.Minute, EnvVars: []string{"RECONCILER_ORPHAN_TIMEOUT"},
 				Usage: "submitted receipts older than this count as orphans"},
 			&cli.BoolFlag{Name: "json", Usage: "print JSON instead of name=value lines"},
-		},
+		}, verdictFlags()...),
 		Action: func(c *cli.Context) error {
 			db, err := pgxpool.New(c.Context, c.String("database-url"))
 			if err != nil {
@@ -39,6 +39,15 @@ func statsCommand() *cli.Command {
 			if err != nil {
 				return dbFailure("stats", db, err, readBacklog)
 			}
+			verdicts, err := store.VerdictStats(c.Context, c.Duration("period"))
+			if err != nil {
+				return dbFailure("stats", db, err, readBacklog)
+			}
+			file, err := declaredWindows(c.String("adapters"), verdicts)
+			if err != nil {
+				return cli.Exit(fmt.Sprintf("stats: %v", err), 1)
+			}
+			verdicts = mergeWindows(verdicts, file)
 			fields := []struct {
 				name  string
 				value any
@@ -56,12 +65,15 @@ func statsCommand() *cli.Command {
 				for _, f := range fields {
 					m[f.name] = f.value
 				}
+				m["verdicts_period_s"] = int64(c.Duration("period").Seconds())
+				m["dependencies"] = verdicts
 				return writeJSON(c.App.Writer, m)
 			}
 			scr := newScreen(c.App.Writer)
 			for _, f := range fields {
 				scr.Printf("%s=%v\n", f.name, f.value)
 			}
+			printVerdicts(scr, verdicts, c.Duration("period"))
 			return nil
 		},
 	}

@@ -1,0 +1,51 @@
+package main
+
+import (
+	"context"
+	"fmt"
+	"time"
+
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/urfave/cli/v2"
+
+	"github.com/receiptledger/reconciler/readback"
+	"github.com/receiptledger/reconciler/reconcile"
+)
+
+// printWindows says, per adapter, the window its absences wait for now
+// (docs/verdict-audits.md): the declared one, or the wider one a window
+// alarm set, and why. Without a ledger (url empty) it says where to look.
+func printWindows(ctx context.Context, out *screen, url string, bs []readback.Binding) error {
+	if url == "" {
+		out.Printf("effective windows: as declared unless a window alarm widened them; " +
+			"give --database-url to see them\n")
+		return nil
+	}
+	db, err := pgxpool.New(ctx, url)
+	if err != nil {
+		return cli.Exit(fmt.Sprintf("adapters check: database: %v", err), 1) // pgx redacts passwords
+	}
+	defer db.Close()
+	if err := checkLedger(ctx, "adapters check", db, readBacklog); err != nil {
+		return err
+	}
+	var ws reconcile.Windows
+	if err := ws.Load(ctx, db); err != nil {
+		return dbFailure("adapters check", db, err, readBacklog)
+	}
+	out.Printf("effective windows (absence conclusive at send deadline +):\n")
+	for _, b := range bs {
+		if b.Kind == readback.Blind {
+			continue
+		}
+		w := ws.For(&b)
+		if !w.Widened() {
+			out.Printf("  %s: %s, as declared (no window alarm under this declaration)\n", b.Name, w.Effective)
+			continue
+		}
+		out.Printf("  %s: %s, widened from the declared %s: %s on receipt %d at %s observed %s "+
+			"(the window stays widened until the declaration in the file changes)\n",
+			b.Name, w.Effective, w.Declared, w.Kind, w.Receipt, w.At.UTC().Format(time.RFC3339), w.Observed)
+	}
+	return nil
+}
