@@ -34,8 +34,18 @@ func (p *Pool) loadWindows(ctx context.Context) error {
 				continue
 			}
 			w := p.windows.For(&b)
-			p.m.Verdicts.DeclaredWindow.WithLabelValues(b.Dependency, b.Name).Set(w.Declared.Seconds())
-			p.m.Verdicts.EffectiveWindow.WithLabelValues(b.Dependency, b.Name).Set(w.Effective.Seconds())
+			v := p.m.Verdicts
+			v.DeclaredWindow.WithLabelValues(b.Dependency, b.Name).Set(w.Declared.Seconds())
+			v.EffectiveWindow.WithLabelValues(b.Dependency, b.Name).Set(w.Effective.Seconds())
+			// The counters exist from the start, at zero, so that an
+			// increase over the first alarm is seen.
+			for _, verdict := range []string{AuditConfirmed, AuditContradicted, AuditInconclusive} {
+				v.Audits.WithLabelValues(b.Dependency, verdict)
+			}
+			v.FalseAbsences.WithLabelValues(b.Dependency)
+			for _, kind := range []string{AlarmPresentAfterAbsence, AlarmFalseAbsence} {
+				v.WindowAlarms.WithLabelValues(b.Dependency, kind)
+			}
 		}
 	}
 	return nil
