@@ -139,7 +139,9 @@ type auditClaim struct {
 	token           string
 }
 
-// claimAudits leases up to limit audits due at now.
+// claimAudits leases up to limit audits due at now, for long enough to
+// make the read (a lease and a check timeout): no other replica reads them
+// meanwhile.
 func (p *Pool) claimAudits(ctx context.Context, now time.Time, limit int) ([]auditClaim, error) {
 	delays := p.auditDelays()
 	if len(delays) == 0 {
@@ -153,7 +155,7 @@ func (p *Pool) claimAudits(ctx context.Context, now time.Time, limit int) ([]aud
 	}
 	token := p.store.instance + "/" + p.store.nonce + "/audit/" + strconv.FormatUint(p.store.seq.Add(1), 10)
 	rows, err := p.db.Query(ctx, sqlAuditClaim, pgx.NamedArgs{"deps": deps, "cutoffs": cutoffs, "now": now,
-		"limit": limit, "token": token, "expires": now.Add(p.cfg.Lease)})
+		"limit": limit, "token": token, "expires": now.Add(p.cfg.Lease + p.cfg.CheckTimeout)})
 	if err != nil {
 		return nil, fmt.Errorf("reconcile: claim audits: %w", err)
 	}
@@ -266,31 +268,33 @@ func judgeAudit(kind readback.Kind, settled statemachine.State, res readback.Res
 	return AuditConfirmed, matches, "still absent"
 }
 
-// auditDue runs the audits due now, one read at a time, while idle says no
-// settling work waits, and returns how many it recorded. Stopped early, it
-// gives back what it claimed.
+// auditDue runs the audits due now, a batch at a time and one read at a
+// time, while idle says no settling work waits, and returns how many it
+// recorded. Stopped early, it gives back what it claimed.
 func (p *Pool) auditDue(ctx context.Context, idle func() bool) (int, error) {
-	if p.cfg.Audits.Off || !idle() {
-		return 0, nil
-	}
-	claimed, err := p.claimAudits(ctx, p.cfg.Now(), p.cfg.Audits.Batch)
-	if err != nil {
-		return 0, err
-	}
 	done := 0
-	for i, a := range claimed {
-		if ctx.Err() != nil || !idle() {
-			for _, rest := range claimed[i:] {
-				p.putOffAudit(ctx, rest, p.cfg.Now(), false)
-			}
-			break
-		}
-		ok, err := p.audit(ctx, a)
+	for !p.cfg.Audits.Off && idle() {
+		claimed, err := p.claimAudits(ctx, p.cfg.Now(), p.cfg.Audits.Batch)
 		if err != nil {
 			return done, err
 		}
-		if ok {
-			done++
+		for i, a := range claimed {
+			if ctx.Err() != nil || !idle() {
+				for _, rest := range claimed[i:] {
+					p.putOffAudit(ctx, rest, p.cfg.Now(), false)
+				}
+				return done, nil
+			}
+			ok, err := p.audit(ctx, a)
+			if err != nil {
+				return done, err
+			}
+			if ok {
+				done++
+			}
+		}
+		if len(claimed) < p.cfg.Audits.Batch {
+			break
 		}
 	}
 	return done, nil
@@ -318,7 +322,7 @@ func (p *Pool) audit(ctx context.Context, a auditClaim) (bool, error) {
 	if !ok || b.Kind == readback.Blind {
 		rec.At, rec.Verdict = cfg.Now(), AuditInconclusive
 		rec.Evidence["why"] = "no adapter reads this operation now"
-		return true, p.recordAudit(ctx, a, rec)
+		return p.recordAudit(ctx, a, rec)
 	}
 	rec.Adapter = b.Name
 	gate := cfg.Gate
@@ -333,10 +337,12 @@ func (p *Pool) audit(ctx context.Context, a auditClaim) (bool, error) {
 		pass, err = gate.Enter(ctx, a.r.Dependency, false)
 	}
 	if err != nil {
+		// Put off at least a second: a protection that keeps deferring to
+		// the present must not make a drain claim the same audit again.
 		until := cfg.Now().Add(cfg.PollInterval)
 		var d *Deferral
 		if errors.As(err, &d) {
-			until = later(d.Until, cfg.Now())
+			until = later(d.Until, cfg.Now().Add(time.Second))
 		}
 		p.putOffAudit(ctx, a, until, false)
 		return false, nil
@@ -352,6 +358,12 @@ func (p *Pool) audit(ctx context.Context, a auditClaim) (bool, error) {
 			result = FailedPermanent
 		}
 	}
+	if ctx.Err() != nil {
+		// Stopping: the read is no evidence, and no failed attempt.
+		pass.Exit(Cancelled, 0)
+		p.putOffAudit(ctx, a, cfg.Now(), false)
+		return false, nil
+	}
 	pass.Exit(result, 0)
 	rec.At = readAt
 	if cerr != nil {
@@ -362,7 +374,7 @@ func (p *Pool) audit(ctx context.Context, a auditClaim) (bool, error) {
 		rec.Verdict = AuditInconclusive
 		rec.Evidence["error"] = cerr.Error()
 		rec.Evidence["why"] = "the audit read failed"
-		return true, p.recordAudit(ctx, a, rec)
+		return p.recordAudit(ctx, a, rec)
 	}
 	retries := 0
 	if err := p.db.QueryRow(ctx, sqlAuditRetries, a.r.ID).Scan(&retries); err != nil {
@@ -389,7 +401,8 @@ func (p *Pool) audit(ctx context.Context, a auditClaim) (bool, error) {
 	if rec.Verdict == AuditContradicted {
 		rec.ObservedLag = readAt.Sub(a.r.SubmittedAt)
 	}
-	if err := p.recordAudit(ctx, a, rec); err != nil {
+	recorded, err := p.recordAudit(ctx, a, rec)
+	if err != nil || !recorded {
 		return false, err
 	}
 	if rec.Verdict == AuditContradicted {
@@ -398,25 +411,30 @@ func (p *Pool) audit(ctx context.Context, a auditClaim) (bool, error) {
 	return true, nil
 }
 
-// recordAudit appends rec and ends a's queue entry.
-func (p *Pool) recordAudit(ctx context.Context, a auditClaim, rec Audited) error {
+// recordAudit appends rec and ends a's queue entry, and reports whether it
+// did: not if a's lease was lost (another replica took the audit over).
+func (p *Pool) recordAudit(ctx context.Context, a auditClaim, rec Audited) (bool, error) {
 	ev, err := json.Marshal(rec.Evidence)
 	if err != nil {
-		return fmt.Errorf("reconcile: audit of receipt %d: %w", a.r.ID, err)
+		return false, fmt.Errorf("reconcile: audit of receipt %d: %w", a.r.ID, err)
 	}
-	_, err = p.db.Exec(ctx, sqlAuditRecord, pgx.NamedArgs{"receipt": a.r.ID, "token": a.token,
+	tag, err := p.db.Exec(context.WithoutCancel(ctx), sqlAuditRecord, pgx.NamedArgs{"receipt": a.r.ID, "token": a.token,
 		"dependency": a.r.Dependency, "operation": a.r.Operation, "adapter": rec.Adapter,
 		"settled_state": string(a.settled), "settled_at": a.settledAt, "at": rec.At,
 		"instance": p.store.instance, "verdict": rec.Verdict, "matches": rec.Matches, "retries": rec.Retries,
 		"lag_s": nullSeconds(rec.ObservedLag), "evidence": string(boundedEvidence(ev))})
 	if err != nil {
-		return fmt.Errorf("reconcile: record audit of receipt %d: %w", a.r.ID, err)
+		return false, fmt.Errorf("reconcile: record audit of receipt %d: %w", a.r.ID, err)
+	}
+	if tag.RowsAffected() == 0 {
+		p.log.Warn("audit not recorded: its claim expired and another reconciler took it over", "receipt_id", a.r.ID)
+		return false, nil
 	}
 	if m := p.m; m != nil {
 		m.Verdicts.Audits.WithLabelValues(a.r.Dependency, rec.Verdict).Inc()
 	}
 	p.log.Debug("verdict audited", "receipt_id", a.r.ID, "dependency", a.r.Dependency, "verdict", rec.Verdict)
-	return nil
+	return true, nil
 }
 
 // boundedEvidence is raw as the database takes it: escapes Postgres
