@@ -23,17 +23,22 @@ WITH due AS (
     ) q
     ORDER BY q.settled_at
     LIMIT @limit
+), claimed AS (
+    UPDATE reconciler.audit_queue q
+    SET lease_owner = @token, lease_expires_at = @expires
+    WHERE q.receipt_id = ANY (ARRAY(SELECT receipt_id FROM due))
+    RETURNING q.receipt_id, q.settled_state, q.settled_at, q.attempts
 )
-UPDATE reconciler.audit_queue q
-SET lease_owner = @token, lease_expires_at = @expires
-FROM reconciler.receipts r
-WHERE q.receipt_id = ANY (ARRAY(SELECT receipt_id FROM due)) AND r.id = q.receipt_id
-RETURNING r.id, r.idempotency_key, r.operation, r.dependency, r.method, r.target, r.fingerprint,
-          r.intent, r.pre_image, coalesce(r.external_id, ''), r.attempt, r.created_at,
-          coalesce(r.submitted_at, r.created_at),
-          coalesce(r.submitted_at, r.created_at) + r.max_send_delay,
-          q.settled_state, q.settled_at, q.attempts,
-          coalesce(r.state_detail -> 'evidence', '{}'::jsonb)`
+-- LATERAL with a LIMIT (never pulled up into a join): one primary-key
+-- probe of receipts per claimed audit, never a scan of the whole table.
+SELECT r.id, r.idempotency_key, r.operation, r.dependency, r.method, r.target, r.fingerprint,
+       r.intent, r.pre_image, coalesce(r.external_id, ''), r.attempt, r.created_at,
+       coalesce(r.submitted_at, r.created_at),
+       coalesce(r.submitted_at, r.created_at) + r.max_send_delay,
+       c.settled_state, c.settled_at, c.attempts,
+       coalesce(r.state_detail -> 'evidence', '{}'::jsonb)
+FROM claimed c
+CROSS JOIN LATERAL (SELECT * FROM reconciler.receipts x WHERE x.id = c.receipt_id LIMIT 1) r`
 
 // sqlAuditRecord appends one audit and ends its queue entry, as long as
 // this claim still holds it (@token): a lease that expired and was taken
