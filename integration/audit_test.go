@@ -225,6 +225,9 @@ func TestAuditsDetectALagLongerThanDeclared(t *testing.T) {
 		settledAfter++
 		if premature {
 			prematureAfter++
+			t.Errorf("receipt %d (submitted %s) settled safe_to_retry at %s, after the alarm at %s, before its effect was visible at %s",
+				s.id, s.at.Format(time.RFC3339Nano), at.Format(time.RFC3339Nano), alarmAt.Format(time.RFC3339Nano),
+				s.at.Add(lag).Format(time.RFC3339Nano))
 		}
 		if st == "safe_to_retry" && !s.effect {
 			absentAfter++
