@@ -4,6 +4,7 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
+	"math"
 	"sync"
 	"testing"
 	"time"
@@ -371,4 +372,58 @@ func TestAuditsOnAHealthyAPI(t *testing.T) {
 		t.Fatalf("%d window alarms on a healthy API (%v)", alarms, err)
 	}
 	t.Logf("%d absences settled, %d audit reads (%d confirmed), 0 alarms", absences, len(perReceipt), countAudits(t, db, "confirmed"))
+}
+
+// An effect found after an authoritative absence that began past the
+// window (held back: the adapter's positive control had not passed yet) is
+// proof the declared window is too short: a present_after_absence window
+// alarm widens it, with no audit needed.
+func TestAnEffectAfterAnAbsencePastTheWindowWidensIt(t *testing.T) {
+	ctx := context.Background()
+	db := pgtest.NewPool(t)
+	clk := newClock()
+	api := newFakeAPI(t, clk.Now, 0)
+	api.mu.Lock()
+	control := api.resources[controlMarker]
+	delete(api.resources, controlMarker)
+	api.mu.Unlock()
+	id := seed(t, db, 1, "things.create", "fake-api", "outcome_unknown")[0]
+	m := reconcile.NewMetrics(prometheus.NewRegistry())
+	pool := newPool(t, db, reconcile.Config{Registry: registry(t, api, shortPolicy()), Now: clk.Now, Metrics: m})
+	pastWindow := func() bool {
+		var n int
+		if err := db.QueryRow(ctx, `SELECT count(*) FROM reconciler.readback_checks c JOIN reconciler.receipts r ON r.id = c.receipt_id
+			WHERE c.receipt_id = $1 AND c.verdict = 'absent' AND c.authoritative
+			  AND c.at >= r.submitted_at + r.max_send_delay + interval '10 seconds'`, id).Scan(&n); err != nil {
+			t.Fatal(err)
+		}
+		return n > 0
+	}
+	drainUntil(t, pool, clk, 500*time.Millisecond, 200, pastWindow)
+	if st := receipt(t, db, id).State; st != "reconciling" {
+		t.Fatalf("an absence settled without its control: %s", st)
+	}
+	api.mu.Lock()
+	api.resources[controlMarker] = control
+	api.mu.Unlock()
+	api.Create(idempotencyKey(t, db, id), "late-thing")
+	drainUntil(t, pool, clk, 500*time.Millisecond, 200, func() bool { return receipt(t, db, id).State == "succeeded" })
+	var kind string
+	var declared, effective float64
+	if err := db.QueryRow(ctx, `SELECT kind, extract(epoch FROM declared), extract(epoch FROM effective_after)
+		FROM reconciler.window_alarms WHERE receipt_id = $1`, id).Scan(&kind, &declared, &effective); err != nil {
+		t.Fatalf("no window alarm: %v", err)
+	}
+	if kind != reconcile.AlarmPresentAfterAbsence || effective <= declared {
+		t.Fatalf("window alarm %s: declared %vs, effective %vs", kind, declared, effective)
+	}
+	b, _ := registry(t, api, shortPolicy()).Lookup("things.create", "fake-api")
+	if w := pool.Windows().For(b); math.Abs(w.Effective.Seconds()-effective) > 1e-6 {
+		t.Fatalf("the pool applies %s, the alarm set %vs", w.Effective, effective)
+	}
+	var alarms dto.Metric
+	if err := m.Verdicts.WindowAlarms.WithLabelValues("fake-api", kind).Write(&alarms); err != nil || alarms.GetCounter().GetValue() != 1 {
+		t.Fatalf("window alarms metric %v (%v)", alarms.GetCounter().GetValue(), err)
+	}
+	t.Logf("present_after_absence: window %vs -> %vs", declared, effective)
 }
