@@ -296,6 +296,10 @@ func explain(ctx context.Context, w *screen, db *pgxpool.Pool, reg *readback.Reg
 		w.Printf("decision: manual_review (blind): the endpoint cannot be read back\n")
 		return nil
 	}
+	b, err := effectiveBinding(ctx, w, db, b)
+	if err != nil {
+		return err
+	}
 	cctx, cancel := context.WithTimeout(ctx, timeout)
 	res, err := b.Adapter.Check(cctx, r)
 	cancel()

@@ -49,3 +49,22 @@ func printWindows(ctx context.Context, out *screen, url string, bs []readback.Bi
 	}
 	return nil
 }
+
+// effectiveBinding returns b with the effective window the reconciler
+// applies to it (a widened one after a window alarm), so that an explained
+// decision waits for what the daemon waits for.
+func effectiveBinding(ctx context.Context, w *screen, db *pgxpool.Pool, b *readback.Binding) (*readback.Binding, error) {
+	var ws reconcile.Windows
+	if err := ws.Load(ctx, db); err != nil {
+		return nil, dbFailure("adapters check", db, err, readLedger)
+	}
+	win := ws.For(b)
+	if !win.Widened() {
+		return b, nil
+	}
+	w.Printf("window: %s, widened from the declared %s by a %s alarm (absences wait for it)\n",
+		win.Effective, win.Declared, win.Kind)
+	eff := *b
+	eff.Policy = ws.Policy(b)
+	return &eff, nil
+}

@@ -104,4 +104,12 @@ adapters:
 			t.Fatalf("adapters check: exit %d, no %q in:\n%s%s", code, want, out, errOut)
 		}
 	}
+	// Explaining a receipt's readback, it waits for the widened window.
+	fresh := unknownReceipt(t, db, "things.create", "late-api", 3)
+	code, out, errOut = runCLI(t, "", "adapters", "check", "--config", path, "--database-url", url, "--receipt", fmt.Sprint(fresh.ID))
+	for _, want := range []string{"widened from the declared 1m30s by a false_absence alarm", "decision: check again at"} {
+		if code != 0 || !strings.Contains(out, want) {
+			t.Fatalf("adapters check --receipt: exit %d, no %q in:\n%s%s", code, want, out, errOut)
+		}
+	}
 }
