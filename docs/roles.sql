@@ -240,7 +240,7 @@ GRANT EXECUTE ON FUNCTION reconciler.transition(bigint, text, text, jsonb, text,
     TO reconciler_reviewer;
 GRANT SELECT ON reconciler.receipts, reconciler.receipt_events, reconciler.readback_checks,
                 reconciler.duplicate_alarms, reconciler.late_outcomes,
-                reconciler.verdict_audits, reconciler.window_alarms
+                reconciler.verdict_audits, reconciler.window_alarms, reconciler.audit_queue
     TO reconciler_reviewer;
 GRANT UPDATE (state, state_actor, state_detail, external_id)
     ON reconciler.receipts TO reconciler_reviewer;

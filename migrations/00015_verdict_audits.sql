@@ -146,7 +146,8 @@ BEGIN
             ON reconciler.window_alarms TO reconciler_worker;
     END IF;
     IF to_regrole('reconciler_reviewer') IS NOT NULL THEN
-        GRANT SELECT ON reconciler.verdict_audits, reconciler.window_alarms TO reconciler_reviewer;
+        GRANT SELECT ON reconciler.verdict_audits, reconciler.window_alarms, reconciler.audit_queue
+            TO reconciler_reviewer;
     END IF;
     IF to_regrole('reconciler_readonly') IS NOT NULL THEN
         GRANT SELECT ON reconciler.verdict_audits, reconciler.window_alarms, reconciler.audit_queue

@@ -67,9 +67,6 @@ func adaptersCheckAction(c *cli.Context) error {
 	out.Printf("%s: valid, %d adapter(s)\n", path, len(bindings))
 	printBindings(out, bindings)
 	_, _ = out.Write([]byte(limits.String())) // laid out by printDependencyLimits; the guard applies
-	if err := printWindows(c.Context, out, url, bindings); err != nil {
-		return err
-	}
 	var db *pgxpool.Pool
 	if url != "" && (c.Bool("control") || c.IsSet("receipt")) {
 		if db, err = pgxpool.New(c.Context, url); err != nil {
@@ -88,6 +85,9 @@ func adaptersCheckAction(c *cli.Context) error {
 			return cli.Exit(fmt.Sprintf("adapters check: %v", err), 1)
 		}
 		bindings = reg.Bindings()
+	}
+	if err := printWindows(c.Context, out, db, url, bindings); err != nil {
+		return err
 	}
 	failed := 0
 	if c.Bool("control") {

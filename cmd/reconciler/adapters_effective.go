@@ -14,20 +14,23 @@ import (
 
 // printWindows says, per adapter, the window its absences wait for now
 // (docs/verdict-audits.md): the declared one, or the wider one a window
-// alarm set, and why. Without a ledger (url empty) it says where to look.
-func printWindows(ctx context.Context, out *screen, url string, bs []readback.Binding) error {
+// alarm set, and why. It reads the ledger db (already checked), else the
+// one at url; without either it says where to look.
+func printWindows(ctx context.Context, out *screen, db *pgxpool.Pool, url string, bs []readback.Binding) error {
 	if url == "" {
 		out.Printf("effective windows: as declared unless a window alarm widened them; " +
 			"give --database-url to see them\n")
 		return nil
 	}
-	db, err := pgxpool.New(ctx, url)
-	if err != nil {
-		return cli.Exit(fmt.Sprintf("adapters check: database: %v", err), 1) // pgx redacts passwords
-	}
-	defer db.Close()
-	if err := checkLedger(ctx, "adapters check", db, readBacklog); err != nil {
-		return err
+	if db == nil {
+		var err error
+		if db, err = pgxpool.New(ctx, url); err != nil {
+			return cli.Exit(fmt.Sprintf("adapters check: database: %v", err), 1) // pgx redacts passwords
+		}
+		defer db.Close()
+		if err := checkLedger(ctx, "adapters check", db, readBacklog); err != nil {
+			return err
+		}
 	}
 	var ws reconcile.Windows
 	if err := ws.Load(ctx, db); err != nil {

@@ -71,8 +71,11 @@ func mergeWindows(ds []reconcile.DependencyVerdicts, file []reconcile.Window) []
 }
 
 // printVerdicts prints the verdict report as name=value lines, one group
-// per dependency.
+// per dependency (nothing when no dependency has any).
 func printVerdicts(scr *screen, ds []reconcile.DependencyVerdicts, period time.Duration) {
+	if len(ds) == 0 {
+		return
+	}
 	for _, d := range ds {
 		p := "dependency." + d.Dependency + "."
 		kinds := make([]string, 0, len(d.Verdicts))
