@@ -619,6 +619,8 @@ func (c *Client) planError(ctx context.Context, key string, err error) error {
 		return fmt.Errorf("ledger: plan %s: %w: %s", key, ErrNotFound, pe.Message)
 	case codeConflict:
 		return fmt.Errorf("ledger: plan %s: %w: %s", key, ErrStateConflict, pe.Message)
+	case codeRetention:
+		return fmt.Errorf("ledger: plan %s: %w, nothing sent: %w: %s", key, ErrRetryRefused, ErrKeyRetentionPassed, pe.Message)
 	}
 	return fmt.Errorf("ledger: plan %s: %w", key, err)
 }
@@ -688,6 +690,11 @@ func (c *Client) Transition(ctx context.Context, m Move) (*Receipt, error) {
 		// planned -> submitted re-checks the duplicate guard: another
 		// receipt of the same intent went out since this one was planned.
 		return nil, fmt.Errorf("ledger: receipt %d: %s -> %s: %w", m.ID, m.From, m.To, c.duplicateError(ctx, pe))
+	case codeRetention:
+		// planned -> submitted of a retry whose basis is a native key
+		// past its retention (reconciler.retry_basis).
+		return nil, fmt.Errorf("ledger: receipt %d: %s -> %s: %w: %w: %s", m.ID, m.From, m.To, ErrRetryRefused,
+			ErrKeyRetentionPassed, pe.Message)
 	case codeConflict:
 		if m.From == statemachine.Planned && m.To == statemachine.Submitted {
 			// planned -> submitted of a retry re-checks

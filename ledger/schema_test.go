@@ -896,7 +896,10 @@ func TestMigration00004Down(t *testing.T) {
 // if atReconciling is set, and settles it safe_to_retry.
 func lateSettled(t *testing.T, pool *pgxpool.Pool, key string, n int, atReconciling string) int64 {
 	t.Helper()
-	id := mustPlan(t, pool, planArgs{key: key, fp: fpOf(n)})
+	// A send deadline of 10 minutes: a late outcome recorded while
+	// reconciling is inside the (undeclared, so strictest) absence window
+	// however slow the machine, and does not void it (migration 00014).
+	id := mustPlan(t, pool, planArgs{key: key, fp: fpOf(n), delay: "10 minutes"})
 	mustMove(t, pool, id, "agent:a", "submitted")
 	mustMove(t, pool, id, "reconciler:r1", "outcome_unknown", "reconciling")
 	if atReconciling != "" {
@@ -933,7 +936,7 @@ func recordLateStatus(t *testing.T, q querier, id int64, outcome string, status 
 func TestLateClientTimeoutBeforeSettlementAllowsRetry(t *testing.T) {
 	pool := pgtest.NewPool(t)
 	ctx := context.Background()
-	before := mustPlan(t, pool, planArgs{key: "late-timeout-before", fp: fpOf(301)})
+	before := mustPlan(t, pool, planArgs{key: "late-timeout-before", fp: fpOf(301), delay: "10 minutes"})
 	mustMove(t, pool, before, "agent:a", "submitted")
 	mustMove(t, pool, before, "reconciler:r1", "outcome_unknown", "reconciling")
 	recordLateStatus(t, pool, before, "outcome_unknown", 0)

@@ -471,6 +471,7 @@ func printSummary(w io.Writer, s reconcile.Summary) {
 	fmt.Fprintf(w, "deferred=%d\n", s.Deferred)
 	fmt.Fprintf(w, "orphans=%d\n", s.Orphans)
 	fmt.Fprintf(w, "duplicates=%d\n", s.Duplicates)
+	fmt.Fprintf(w, "lifetime_exceeded=%d\n", s.LifetimeExceeded)
 	fmt.Fprintf(w, "check_errors=%d\n", s.CheckErrors)
 	fmt.Fprintf(w, "lease_lost=%d\n", s.LeaseLost)
 	fmt.Fprintf(w, "refused=%d\n", s.Refused)
