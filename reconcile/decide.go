@@ -61,9 +61,9 @@ type Evidence struct {
 	// ReadAt is when the read began, on the database's clock.
 	ReadAt *time.Time `json:"read_at,omitempty"`
 	// SendDeadline is the latest moment the original could have been sent.
-	SendDeadline       *time.Time         `json:"send_deadline,omitempty"`
-	ConsistencyWindow  string             `json:"consistency_window,omitempty"`
-	MaxRequestLifetime string             `json:"max_request_lifetime,omitempty"`
+	SendDeadline       *time.Time `json:"send_deadline,omitempty"`
+	ConsistencyWindow  string     `json:"consistency_window,omitempty"`
+	MaxRequestLifetime string     `json:"max_request_lifetime,omitempty"`
 	// ConsistencyWindowSec and MaxRequestLifetimeSec are the same
 	// declarations in seconds, for the database: its trigger refuses a
 	// safe_to_retry whose receipt has a late outcome after send deadline +
@@ -74,9 +74,9 @@ type Evidence struct {
 	// LifetimeExceeded is set when the agent recorded an answer to the
 	// original request after the absence window (ReasonLifetimeExceeded;
 	// also on a succeeded settlement, whose proof stands).
-	LifetimeExceeded *LifetimeExceeded `json:"lifetime_exceeded,omitempty"`
-	Guarantee          readback.Guarantee `json:"guarantee,omitempty"`
-	AbsenceSafeAt      *time.Time         `json:"absence_safe_at,omitempty"`
+	LifetimeExceeded *LifetimeExceeded  `json:"lifetime_exceeded,omitempty"`
+	Guarantee        readback.Guarantee `json:"guarantee,omitempty"`
+	AbsenceSafeAt    *time.Time         `json:"absence_safe_at,omitempty"`
 	// ReuseKeyBefore is set when absence relied on the API's native
 	// idempotency keys: the retry must reuse the original key before then.
 	ReuseKeyBefore *time.Time `json:"reuse_idempotency_key_before,omitempty"`

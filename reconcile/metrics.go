@@ -8,25 +8,25 @@ import (
 // (verdicts, reasons, adapter and dependency names from the configuration,
 // error classes); receipt ids never appear in labels.
 type Metrics struct {
-	Settlements   *prometheus.CounterVec   // state, reason
-	Checks        *prometheus.CounterVec   // adapter, outcome
-	CheckLatency  *prometheus.HistogramVec // adapter
-	Failures      *prometheus.CounterVec   // dependency, class
-	Deferrals     *prometheus.CounterVec   // dependency
-	Rescheduled   prometheus.Counter
-	LeaseLost     prometheus.Counter
-	Refused       prometheus.Counter
-	Claimed       prometheus.Counter
-	Orphans       prometheus.Counter
-	Duplicates    prometheus.Counter
+	Settlements  *prometheus.CounterVec   // state, reason
+	Checks       *prometheus.CounterVec   // adapter, outcome
+	CheckLatency *prometheus.HistogramVec // adapter
+	Failures     *prometheus.CounterVec   // dependency, class
+	Deferrals    *prometheus.CounterVec   // dependency
+	Rescheduled  prometheus.Counter
+	LeaseLost    prometheus.Counter
+	Refused      prometheus.Counter
+	Claimed      prometheus.Counter
+	Orphans      prometheus.Counter
+	Duplicates   prometheus.Counter
 	// LifetimeExceeded counts receipts settled with a late answer recorded
 	// after their absence window (ReasonLifetimeExceeded).
 	LifetimeExceeded *prometheus.CounterVec // dependency, operation
-	Backlog       *prometheus.GaugeVec // state
-	StalePlanned  prometheus.Gauge
-	OldestUnknown prometheus.Gauge
-	Breaker       *prometheus.GaugeVec // dependency, state
-	DBErrors      prometheus.Counter
+	Backlog          *prometheus.GaugeVec   // state
+	StalePlanned     prometheus.Gauge
+	OldestUnknown    prometheus.Gauge
+	Breaker          *prometheus.GaugeVec // dependency, state
+	DBErrors         prometheus.Counter
 	// WritesRefused counts rows (outcomes, checks) the database refused
 	// permanently, by statement and SQLSTATE class; WritesBlocked is 1
 	// while it refuses a statement as such (Pool.WritesRefused).
