@@ -70,7 +70,7 @@ func migrateCommand() *cli.Command {
 				"run it again once that transaction ends, or pass a longer --lock-timeout (0 waits as long as it takes, "+
 				"and every agent waits too)", cmd, which, c.Duration("lock-timeout"), pe.Message), 1)
 		case errors.As(err, &pe) && pe.Code == "RL010": // a Down that would drop soundness data
-			return cli.Exit(fmt.Sprintf("%s: %s, and nothing was rolled back.\n%s\n%s", cmd, pe.Message, pe.Detail,
+			return cli.Exit(fmt.Sprintf("%s: %s, and nothing was rolled back. %s %s", cmd, pe.Message, pe.Detail,
 				"Settle the receipts first (reconciler run, reconciler review), stay at this version, or pass "+
 					"--accept-data-loss to roll back all the same."), 1)
 		case errors.As(err, &pe) && pe.Code == "42501": // insufficient_privilege
