@@ -6,7 +6,10 @@ import (
 	"encoding/json"
 	"errors"
 	"log/slog"
+	"net/http"
+	"net/http/httptest"
 	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -15,6 +18,9 @@ import (
 	dto "github.com/prometheus/client_model/go"
 
 	"github.com/receiptledger/reconciler/internal/pgtest"
+	"github.com/receiptledger/reconciler/internal/testkit"
+	"github.com/receiptledger/reconciler/ledger"
+	"github.com/receiptledger/reconciler/readback"
 	"github.com/receiptledger/reconciler/reconcile"
 )
 
@@ -220,4 +226,87 @@ func pgErr(err error) *pgconn.PgError {
 func jsonNumber(n int64) string {
 	b, _ := json.Marshal(n)
 	return string(b)
+}
+
+// Issue 19, item 2, end to end: the reconciler settles an absence on the
+// API's native key (guarantee native_idempotency_key), whose retention runs
+// out before the step runs again. Caller.Do then sends nothing: the
+// database refuses the retry (ErrKeyRetentionPassed), and Do sends the
+// receipt back to the reconciler for a fresh proof. The reconciler reads it
+// again, now past the full window, and settles it safe_to_retry on
+// request_lifetime_elapsed; the step run again sends the retry, whose
+// history says which guarantee it used.
+func TestFreshProofAfterNativeKeyRetention(t *testing.T) {
+	ctx := context.Background()
+	db := pgtest.NewPool(t)
+	agent, err := ledger.New(db, "agent:native")
+	if err != nil {
+		t.Fatal(err)
+	}
+	var sent atomic.Int32
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		sent.Add(1)
+		w.WriteHeader(http.StatusCreated)
+		_, _ = w.Write([]byte(`{"id": "thing-retry"}`))
+	}))
+	t.Cleanup(srv.Close)
+	in := ledger.Intent{IdempotencyKey: "native:1", Operation: "things.create", Dependency: "fake-api",
+		Method: "POST", Target: "/things", Payload: []byte(`{"n": 1}`), MaxSendDelay: time.Millisecond}
+	r, err := agent.PlanAndSubmit(ctx, in)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if r, err = agent.MarkUnknown(ctx, r, ledger.Detail{Error: &ledger.CallError{Code: "timeout"}}); err != nil {
+		t.Fatal(err)
+	}
+	// The read begins after the key's consistency window (0 s after the
+	// send deadline) and within its retention (1 s), long before the full
+	// window (1 h).
+	clk := testkit.NewClock(r.SubmittedAt.Add(500 * time.Millisecond))
+	api := newFakeAPI(t, clk.Now, 0)
+	p := readback.Policy{ConsistencyWindow: 0, MaxRequestLifetime: time.Hour, IdempotencyKeys: true,
+		IdempotencyRetention: time.Second, MaxChecks: 50, Deadline: 3 * time.Hour,
+		BackoffBase: 100 * time.Millisecond, BackoffCap: time.Second}
+	pool := newPool(t, db, reconcile.Config{Registry: registry(t, api, p), Now: clk.Now, OrphanTimeout: -1})
+	if _, err := pool.Drain(ctx); err != nil {
+		t.Fatal(err)
+	}
+	ev := settlements(t, db, r.ID)
+	if got := ev[len(ev)-1]["evidence"].(map[string]any)["guarantee"]; got != "native_idempotency_key" {
+		t.Fatalf("first settlement: %v, want guarantee native_idempotency_key", ev)
+	}
+	do := func() (*ledger.Result, error) {
+		req, err := http.NewRequest(http.MethodPost, srv.URL+"/things", strings.NewReader(`{"n": 1}`))
+		if err != nil {
+			t.Fatal(err)
+		}
+		return (&ledger.Caller{Ledger: agent, HTTP: srv.Client()}).Do(ctx, in, req)
+	}
+	// The step runs again, its retry with the default send deadline (5 s):
+	// its request could be written after the key's retention (1 s).
+	in.MaxSendDelay = 0
+	if _, err := do(); !errors.Is(err, ledger.ErrKeyRetentionPassed) || !errors.Is(err, ledger.ErrRetryRefused) || sent.Load() != 0 {
+		t.Fatalf("Do after the retention: %v (%d requests), want ErrKeyRetentionPassed and nothing sent", err, sent.Load())
+	}
+	if got := receipt(t, db, r.ID); got.State != "outcome_unknown" {
+		t.Fatalf("after the refused retry the receipt is %s, want outcome_unknown (a fresh proof requested)", got.State)
+	}
+	clk.Advance(2 * time.Hour)
+	if _, err := pool.Drain(ctx); err != nil {
+		t.Fatal(err)
+	}
+	ev = settlements(t, db, r.ID)
+	if got := ev[len(ev)-1]["evidence"].(map[string]any)["guarantee"]; receipt(t, db, r.ID).State != "safe_to_retry" ||
+		got != "request_lifetime_elapsed" {
+		t.Fatalf("fresh proof: %v, want safe_to_retry on request_lifetime_elapsed", ev[len(ev)-1])
+	}
+	res, err := do()
+	if err != nil || sent.Load() != 1 || res.Receipt.RetryOf != r.ID {
+		t.Fatalf("Do after the fresh proof: %v (%d requests), want the retry sent", err, sent.Load())
+	}
+	var basis string
+	if err := db.QueryRow(ctx, `SELECT detail #>> '{retry_basis,guarantee}' FROM reconciler.receipt_events
+		WHERE receipt_id = $1 AND to_state = 'submitted'`, res.Receipt.ID).Scan(&basis); err != nil || basis != "request_lifetime_elapsed" {
+		t.Fatalf("the retry's submission records guarantee %q (%v), want request_lifetime_elapsed", basis, err)
+	}
 }

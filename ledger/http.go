@@ -305,7 +305,11 @@ func (e *OutcomeError) Unwrap() []error {
 // A key whose receipt is already past planned is not sent again: Do
 // returns that receipt with Replayed set; nil error if it succeeded, an
 // OutcomeError otherwise. A safe_to_retry receipt is followed: Do plans the
-// next attempt with Client.Retry and sends that.
+// next attempt with Client.Retry and sends that. When the database refuses
+// that retry because the receipt's proof rests on the API's native key and
+// its retention has passed (ErrKeyRetentionPassed), Do sends nothing,
+// requests a fresh proof (Client.RequestFreshProof) and says so: run the
+// step again once the reconciler has settled the receipt anew.
 //
 // The error is nil exactly when the receipt succeeded; an OutcomeError
 // when it settled otherwise (Result holds the receipt and any response);
@@ -374,6 +378,10 @@ func (c *Caller) Do(ctx context.Context, in Intent, req *http.Request) (*Result,
 			err = nil
 		}
 	}
+	if prev != nil && errors.Is(err, ErrKeyRetentionPassed) {
+		closeBody(req)
+		return c.freshProof(ctx, prev, err)
+	}
 	var dup *DuplicateError
 	if errors.As(err, &dup) && (dup.Existing.IdempotencyKey == in.IdempotencyKey ||
 		(prev != nil && dup.Existing.RetryOf == prev.ID)) {
@@ -411,6 +419,18 @@ func (c *Caller) Do(ctx context.Context, in Intent, req *http.Request) (*Result,
 			// Another receipt of this intent went out since ours was planned.
 			closeBody(req)
 			return &Result{Receipt: r}, fmt.Errorf("ledger: receipt %d not submitted, nothing sent: %w", r.ID, err)
+		}
+		if errors.Is(err, ErrKeyRetentionPassed) {
+			// Planned while the native key was retained, submitted after.
+			closeBody(req)
+			gctx, cancel := c.writeContext(ctx)
+			p, gerr := c.Ledger.Get(gctx, r.RetryOf)
+			cancel()
+			if gerr != nil {
+				return &Result{Receipt: r}, fmt.Errorf("ledger: receipt %d not submitted, nothing sent: %w (and reading receipt %d: %w)",
+					r.ID, err, r.RetryOf, gerr)
+			}
+			return c.freshProof(ctx, p, err)
 		}
 		if errors.Is(err, ErrRetryRefused) {
 			// A late answer to the receipt this one retries was recorded

@@ -701,6 +701,10 @@ func (c *Client) Transition(ctx context.Context, m Move) (*Receipt, error) {
 			// reconciler.retry_error on the receipt it retries.
 			return nil, fmt.Errorf("ledger: receipt %d: %s -> %s: %w: %s", m.ID, m.From, m.To, ErrRetryRefused, pe.Message)
 		}
+		if m.From == statemachine.SafeToRetry {
+			// A fresh proof refused: a retry of the receipt went out.
+			return nil, fmt.Errorf("ledger: receipt %d: %s -> %s: %w: %w", m.ID, m.From, m.To, ErrStateConflict, err)
+		}
 	}
 	return nil, fmt.Errorf("ledger: receipt %d: %s -> %s: %w", m.ID, m.From, m.To, err)
 }

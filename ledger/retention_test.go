@@ -101,6 +101,10 @@ func TestNativeKeyProtectsOnlyWithinRetention(t *testing.T) {
 			if _, err := agent.Submit(ctx, retry); err != nil {
 				t.Fatalf("Submit of the retry: %v", err)
 			}
+			// Its proof is spent: a read of it could find the retry's effect.
+			if _, err := agent.RequestFreshProof(ctx, r, "test"); !errors.Is(err, ledger.ErrStateConflict) {
+				t.Errorf("a fresh proof of a receipt whose retry went out: %v, want ErrStateConflict", err)
+			}
 			events, err := agent.History(ctx, retry.ID)
 			if err != nil {
 				t.Fatal(err)

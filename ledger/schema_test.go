@@ -40,6 +40,9 @@ var specLegal = map[string]bool{
 	"reconciling>succeeded": true, "reconciling>safe_to_retry": true, "reconciling>manual_review": true,
 	"manual_review>succeeded": true, "manual_review>safe_to_retry": true,
 	"manual_review>rejected": true, "manual_review>outcome_unknown": true,
+	// SPEC §5a: a retry past a native key's retention needs a fresh proof,
+	// which sends the receipt back to the reconciler (migration 00014).
+	"safe_to_retry>outcome_unknown": true,
 }
 
 const fp = "sha256:0000000000000000000000000000000000000000000000000000000000000000"

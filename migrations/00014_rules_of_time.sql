@@ -27,10 +27,15 @@
 --     request must be written (its send deadline, now + its max_send_delay)
 --     before the evidence's reuse_idempotency_key_before. After that, the
 --     retry is refused (RL009, DETAIL the retried receipt's id) unless the
---     absence was read after the full window; a fresh proof (a new
---     settlement whose evidence says so) lets it through. Checked when a
---     retry is inserted (reconciler.plan or a plain INSERT) and again when
---     it is submitted.
+--     absence was read after the full window. Checked when a retry is
+--     inserted (reconciler.plan or a plain INSERT) and again when it is
+--     submitted.
+--   * A fresh proof. A new move, safe_to_retry -> outcome_unknown, sends a
+--     receipt back to the reconciler, which reads it again and settles it
+--     anew (now past the full window: request_lifetime_elapsed); then the
+--     retry goes through. Any kind of actor may make it (where the roles
+--     are in use, an agent's login only for a receipt it submitted), but
+--     not once a retry of the receipt is past planned.
 --   * Which guarantee a retry used. The retry's events record it in their
 --     detail, under retry_basis: the retried receipt, its guarantee
 --     (request_lifetime_elapsed, native_idempotency_key, human_review,
@@ -285,6 +290,255 @@ END
 $$;
 -- +goose StatementEnd
 
+-- A fresh proof: safe_to_retry -> outcome_unknown sends a receipt back to
+-- the reconciler (by any kind of actor; under the roles, an agent's login
+-- only for a receipt it submitted), unless a retry of it went out already.
+-- transition_error is 00001's table with that move; receipts_before_update
+-- is 00004's with it.
+-- +goose StatementBegin
+CREATE OR REPLACE FUNCTION reconciler.transition_error(from_state text, to_state text, actor text)
+RETURNS text LANGUAGE sql IMMUTABLE AS $$
+    SELECT CASE
+        WHEN ($1, $2) NOT IN (
+                ('planned', 'submitted'), ('planned', 'rejected'),
+                ('submitted', 'succeeded'), ('submitted', 'rejected'), ('submitted', 'outcome_unknown'),
+                ('outcome_unknown', 'reconciling'), ('outcome_unknown', 'manual_review'),
+                ('reconciling', 'succeeded'), ('reconciling', 'safe_to_retry'), ('reconciling', 'manual_review'),
+                ('manual_review', 'succeeded'), ('manual_review', 'safe_to_retry'),
+                ('manual_review', 'rejected'), ('manual_review', 'outcome_unknown'),
+                ('safe_to_retry', 'outcome_unknown'))
+            THEN CASE WHEN $1 IN ('succeeded', 'rejected')
+                      THEN $1 || ' is terminal' ELSE 'not in the transition table' END
+        WHEN $1 = 'manual_review' AND $3 NOT LIKE 'human:%'
+            THEN 'only a human may leave manual_review'
+    END
+$$;
+-- +goose StatementEnd
+
+
+-- +goose StatementBegin
+CREATE OR REPLACE FUNCTION reconciler.receipts_before_update() RETURNS trigger LANGUAGE plpgsql AS $$
+DECLARE
+    why text;
+    other bigint;
+    t timestamptz;
+    cols text[];
+    prev reconciler.receipts;
+BEGIN
+    -- Path 9: what describes the intent or a past move never changes. One
+    -- row comparison (a single expression), so the cheap path stays cheap;
+    -- the names of the offending columns are worked out only to refuse.
+    IF (NEW.id, NEW.idempotency_key, NEW.operation, NEW.dependency, NEW.method, NEW.target,
+        NEW.fingerprint, NEW.intent, NEW.pre_image, NEW.attempt, NEW.retry_of, NEW.created_at,
+        NEW.max_send_delay, NEW.guarded, NEW.submitted_at, NEW.submitted_by, NEW.unknown_since,
+        NEW.updated_at, NEW.version)
+       IS DISTINCT FROM
+       (OLD.id, OLD.idempotency_key, OLD.operation, OLD.dependency, OLD.method, OLD.target,
+        OLD.fingerprint, OLD.intent, OLD.pre_image, OLD.attempt, OLD.retry_of, OLD.created_at,
+        OLD.max_send_delay, OLD.guarded, OLD.submitted_at, OLD.submitted_by, OLD.unknown_since,
+        OLD.updated_at, OLD.version) THEN
+        cols := ARRAY['id', 'idempotency_key', 'operation', 'dependency', 'method', 'target',
+            'fingerprint', 'intent', 'pre_image', 'attempt', 'retry_of', 'created_at', 'max_send_delay',
+            'guarded', 'submitted_at', 'submitted_by', 'unknown_since', 'updated_at', 'version'];
+        SELECT string_agg(c, ', ') INTO why FROM unnest(cols) AS c
+        WHERE (to_jsonb(OLD) -> c) IS DISTINCT FROM (to_jsonb(NEW) -> c);
+        RAISE EXCEPTION 'receipt %: % cannot be changed (the intent and the times of past moves are '
+            'immutable; the database stamps submitted_at, submitted_by, unknown_since, updated_at and version)',
+            OLD.id, why USING ERRCODE = 'RL006';
+    END IF;
+    -- An UPDATE that leaves the state as it is (leases, schedules) is not a
+    -- move and records nothing; so it may not rewrite what the latest move
+    -- recorded either.
+    IF NEW.state = OLD.state THEN
+        IF (NEW.state_actor, NEW.state_detail, NEW.external_id)
+           IS DISTINCT FROM (OLD.state_actor, OLD.state_detail, OLD.external_id) THEN
+            SELECT string_agg(c, ', ') INTO why FROM unnest(ARRAY['state_actor', 'state_detail', 'external_id']) AS c
+            WHERE (to_jsonb(OLD) -> c) IS DISTINCT FROM (to_jsonb(NEW) -> c);
+            RAISE EXCEPTION 'receipt %: % cannot be changed without a move (the latest move recorded them)',
+                OLD.id, why USING ERRCODE = 'RL006';
+        END IF;
+        NEW.moved_from := NULL;
+        RETURN NEW;
+    END IF;
+    -- PL/pgSQL rebuilds its simple expressions in every transaction, and
+    -- every move is its own transaction: one array test is cheap to rebuild,
+    -- the full table with its reasons is worked out only for a refusal.
+    IF NOT (OLD.state || '>' || NEW.state) = ANY ('{planned>submitted,planned>rejected,
+            submitted>succeeded,submitted>rejected,submitted>outcome_unknown,
+            outcome_unknown>reconciling,outcome_unknown>manual_review,
+            reconciling>succeeded,reconciling>safe_to_retry,reconciling>manual_review,
+            manual_review>succeeded,manual_review>safe_to_retry,manual_review>rejected,
+            manual_review>outcome_unknown,safe_to_retry>outcome_unknown}'::text[])
+       OR OLD.state = 'manual_review' AND NEW.state_actor NOT LIKE 'human:_%'
+       OR NEW.state_actor !~ '^(agent|reconciler|human):.' THEN
+        why := coalesce(reconciler.transition_error(OLD.state, NEW.state, NEW.state_actor),
+                        'the actor must be <agent|reconciler|human>:<id>');
+        RAISE EXCEPTION 'illegal transition % -> % by %: %', OLD.state, NEW.state, NEW.state_actor, why
+            USING ERRCODE = 'RL001';
+    END IF;
+    -- Who may move (path 8), where the roles of docs/roles.sql are in use.
+    -- The moves out of planned and submitted are the agent's (the orphan
+    -- sweep makes one too) and pay for no role lookup on the agent's hot
+    -- path: a move out of submitted compares the login with submitted_by
+    -- first, and looks roles up only when they differ.
+    IF OLD.state = 'submitted' THEN
+        -- Only the login that submitted a receipt sends its request, so only
+        -- it knows what became of it: another agent's login may not settle
+        -- it (say, as a retryable not_sent, then retry it: sent twice). The
+        -- reconciler's logins (the orphan sweep) and reviewers may; so may
+        -- the table's owner and any login in no role of docs/roles.sql. A
+        -- receipt submitted before migration 00004 has no submitted_by: the
+        -- orphan sweep settles it.
+        IF current_user IS DISTINCT FROM OLD.submitted_by THEN
+            IF coalesce(pg_has_role(current_user, to_regrole('reconciler_agent'), 'MEMBER'), false)
+               AND NOT coalesce(pg_has_role(current_user, to_regrole('reconciler_worker'), 'MEMBER'), false)
+               AND NOT coalesce(pg_has_role(current_user, to_regrole('reconciler_reviewer'), 'MEMBER'), false) THEN
+                RAISE EXCEPTION 'illegal transition % -> % by %: receipt % was submitted by login %, and only '
+                    'that login (or a member of reconciler_worker or reconciler_reviewer) may move it out of '
+                    'submitted, not login %', OLD.state, NEW.state, NEW.state_actor, OLD.id,
+                    coalesce(quote_ident(OLD.submitted_by), '(unknown: submitted before migration 00004)'),
+                    quote_ident(current_user) USING ERRCODE = 'RL001';
+            END IF;
+        END IF;
+    ELSIF OLD.state = 'manual_review' THEN
+        -- "human" is a database role too: an agent's or the daemon's login
+        -- cannot leave manual_review by writing a human actor.
+        IF (coalesce(pg_has_role(current_user, to_regrole('reconciler_agent'), 'MEMBER'), false)
+            OR coalesce(pg_has_role(current_user, to_regrole('reconciler_worker'), 'MEMBER'), false))
+           AND NOT coalesce(pg_has_role(current_user, to_regrole('reconciler_reviewer'), 'MEMBER'), false) THEN
+            RAISE EXCEPTION 'illegal transition % -> % by %: only a member of reconciler_reviewer may leave manual_review',
+                OLD.state, NEW.state, NEW.state_actor USING ERRCODE = 'RL001';
+        END IF;
+    ELSIF OLD.state = 'safe_to_retry' THEN
+        -- A fresh proof (migration 00014): the receipt goes back to the
+        -- reconciler, e.g. because its proof rested on a native key whose
+        -- retention has passed. Not once a retry of it went out: a read of
+        -- the receipt could then find the retry's effect and settle it
+        -- succeeded too. Where the roles are in use, an agent's login
+        -- asks only for the receipts it submitted.
+        SELECT x.id, x.state INTO other, why FROM reconciler.receipts x
+        WHERE x.retry_of = OLD.id AND x.state <> 'planned' ORDER BY x.id LIMIT 1;
+        IF FOUND THEN
+            RAISE EXCEPTION 'receipt %: its retry, receipt %, is % already: no fresh proof of the original is made',
+                OLD.id, other, why USING ERRCODE = 'RL002', DETAIL = other::text;
+        END IF;
+        IF current_user IS DISTINCT FROM OLD.submitted_by
+           AND coalesce(pg_has_role(current_user, to_regrole('reconciler_agent'), 'MEMBER'), false)
+           AND NOT coalesce(pg_has_role(current_user, to_regrole('reconciler_worker'), 'MEMBER'), false)
+           AND NOT coalesce(pg_has_role(current_user, to_regrole('reconciler_reviewer'), 'MEMBER'), false) THEN
+            RAISE EXCEPTION 'illegal transition % -> % by %: receipt % was submitted by login %, and only that login '
+                '(or a member of reconciler_worker or reconciler_reviewer) may ask for a fresh proof of it, not login %',
+                OLD.state, NEW.state, NEW.state_actor, OLD.id, coalesce(quote_ident(OLD.submitted_by), '(unknown)'),
+                quote_ident(current_user) USING ERRCODE = 'RL001';
+        END IF;
+    ELSIF OLD.state IN ('outcome_unknown', 'reconciling') AND to_regrole('reconciler_agent') IS NOT NULL THEN
+        -- To or from reconciling, and outcome_unknown -> manual_review: the
+        -- reconciler's moves (or a reviewer's), never an agent's login, which
+        -- could otherwise settle its own receipt without a readback. The
+        -- owner of the table (who ran the migrations) is not refused: it
+        -- could disable this trigger anyway.
+        IF NOT (coalesce(pg_has_role(current_user, to_regrole('reconciler_worker'), 'MEMBER'), false)
+                OR coalesce(pg_has_role(current_user, to_regrole('reconciler_reviewer'), 'MEMBER'), false)) THEN
+            IF NOT pg_has_role(current_user,
+                               (SELECT c.relowner FROM pg_catalog.pg_class c WHERE c.oid = TG_RELID), 'MEMBER') THEN
+                RAISE EXCEPTION 'illegal transition % -> % by %: only a member of reconciler_worker or '
+                    'reconciler_reviewer may make this move', OLD.state, NEW.state, NEW.state_actor
+                    USING ERRCODE = 'RL001';
+            END IF;
+        END IF;
+    END IF;
+    -- Path 1: the duplicate guard of plan holds until the bytes may leave.
+    -- Under plan's lock, a guarded receipt is not submitted while another
+    -- receipt of the same intent is unresolved (so of two receipts planned
+    -- under two keys at once, exactly one is sent); the refused one stays
+    -- planned. (The lock is held to commit, so a concurrent submission or
+    -- plan of the same intent waits and then sees this one.) A statement
+    -- that submits many guarded receipts takes one such lock per intent,
+    -- held to commit, and the server's lock table holds about
+    -- max_locks_per_transaction x max_connections: bulk loaders submit in
+    -- chunks of a few thousand, or insert their receipts with guarded = false.
+    IF NEW.state = 'submitted' THEN
+        -- A retry is sent only while its previous attempt may still be
+        -- retried: a late outcome recorded since the retry was planned (a
+        -- success, or a call still alive: reconciler.retry_error) stops it.
+        -- The share lock serializes with record_late_outcome, which holds
+        -- the previous receipt FOR UPDATE while it writes: either the late
+        -- outcome commits first and is seen here, or it waits for this
+        -- submission and is recorded against a receipt whose retry is out
+        -- (the reconciler and a human then see both). Taken before the
+        -- guard's lock, in plan's order (previous receipt, then intent).
+        -- Only retries pay for it. RL002; the retry stays planned.
+        IF OLD.retry_of IS NOT NULL THEN
+            SELECT * INTO prev FROM reconciler.receipts x WHERE x.id = OLD.retry_of FOR SHARE;
+            why := reconciler.retry_error(prev);
+            IF why IS NOT NULL THEN
+                RAISE EXCEPTION 'receipt % (attempt %, the retry of receipt %) is not submitted: %',
+                    OLD.id, OLD.attempt, OLD.retry_of, why USING ERRCODE = 'RL002', DETAIL = OLD.retry_of::text;
+            END IF;
+        END IF;
+        IF OLD.guarded THEN
+            -- (An assignment, not PERFORM: a plain expression is evaluated in
+            -- place, where PERFORM would run a query.)
+            why := pg_advisory_xact_lock(hashtextextended(OLD.dependency || ' ' || OLD.fingerprint, 0))::text;
+            SELECT x.id INTO other FROM reconciler.receipts x
+            WHERE x.dependency = OLD.dependency AND x.fingerprint = OLD.fingerprint
+              AND x.state IN ('submitted', 'outcome_unknown', 'reconciling', 'manual_review')
+              AND x.id <> OLD.id
+            ORDER BY x.id LIMIT 1;
+            IF FOUND THEN
+                RAISE EXCEPTION 'receipt %: intent % is unresolved in receipt %: a duplicate is not submitted',
+                    OLD.id, OLD.fingerprint, other USING ERRCODE = 'RL005', DETAIL = other::text;
+            END IF;
+        END IF;
+    END IF;
+    -- An agent that learned its call succeeded after the orphan sweep moved
+    -- its receipt recorded so (reconciler.record_late_outcome, which holds
+    -- the row while it does): the effect exists, so it is never safe_to_retry.
+    -- (Nested: a condition with a subquery is a full query even when its
+    -- first half is false, and every other move would pay for it.)
+    IF NEW.state = 'safe_to_retry' THEN
+        IF EXISTS (SELECT FROM reconciler.late_outcomes l
+                   WHERE l.receipt_id = OLD.id AND l.outcome = 'succeeded') THEN
+            RAISE EXCEPTION 'receipt % has a late succeeded outcome recorded by its agent: it is not safe_to_retry',
+                OLD.id USING ERRCODE = 'RL002', DETAIL = 'succeeded';
+        END IF;
+    END IF;
+    -- A move that did not set its own detail must not inherit the previous one's.
+    IF NEW.state_detail = OLD.state_detail THEN
+        NEW.state_detail := '{}';
+    END IF;
+    t := clock_timestamp();
+    NEW.moved_from := OLD.state;
+    NEW.version := OLD.version + 1;
+    NEW.updated_at := t;
+    IF NEW.state = 'submitted' THEN
+        NEW.submitted_at := t;
+        NEW.submitted_by := current_user;
+    END IF;
+    IF NEW.state = 'outcome_unknown' THEN
+        -- Every move here (lost answer, orphan, requeue) starts a fresh check
+        -- budget and deadline.
+        NEW.unknown_since := t;
+        NEW.next_check_at := t;
+        NEW.check_count := 0;
+        NEW.last_check_transient := false;
+        NEW.lease_owner := NULL;
+        NEW.lease_expires_at := NULL;
+        -- Wake idle reconcilers (delivered at commit; Postgres folds
+        -- identical notifications of one transaction into one).
+        why := pg_notify('reconciler_due', '')::text;
+    END IF;
+    IF NEW.state IN ('succeeded', 'safe_to_retry', 'rejected', 'manual_review') THEN
+        NEW.next_check_at := NULL;
+        NEW.lease_owner := NULL;
+        NEW.lease_expires_at := NULL;
+    END IF;
+    RETURN NEW;
+END
+$$;
+-- +goose StatementEnd
+
+
 -- Where the roles of docs/roles.sql are in use: the reconciler's settlement
 -- checks the window (window_voided_by, as the worker), and the worker,
 -- reviewers and `stats` read the alarms (docs/roles.sql grants the same, for
@@ -359,6 +613,228 @@ BEGIN
 END
 $$;
 -- +goose StatementEnd
+
+-- The move table of 00001 and the move trigger of 00004, as they were.
+-- +goose StatementBegin
+CREATE OR REPLACE FUNCTION reconciler.transition_error(from_state text, to_state text, actor text)
+RETURNS text LANGUAGE sql IMMUTABLE AS $$
+    SELECT CASE
+        WHEN ($1, $2) NOT IN (
+                ('planned', 'submitted'), ('planned', 'rejected'),
+                ('submitted', 'succeeded'), ('submitted', 'rejected'), ('submitted', 'outcome_unknown'),
+                ('outcome_unknown', 'reconciling'), ('outcome_unknown', 'manual_review'),
+                ('reconciling', 'succeeded'), ('reconciling', 'safe_to_retry'), ('reconciling', 'manual_review'),
+                ('manual_review', 'succeeded'), ('manual_review', 'safe_to_retry'),
+                ('manual_review', 'rejected'), ('manual_review', 'outcome_unknown'))
+            THEN CASE WHEN $1 IN ('succeeded', 'safe_to_retry', 'rejected')
+                      THEN $1 || ' is terminal' ELSE 'not in the transition table' END
+        WHEN $1 = 'manual_review' AND $3 NOT LIKE 'human:%'
+            THEN 'only a human may leave manual_review'
+    END
+$$;
+-- +goose StatementEnd
+
+
+-- +goose StatementBegin
+CREATE OR REPLACE FUNCTION reconciler.receipts_before_update() RETURNS trigger LANGUAGE plpgsql AS $$
+DECLARE
+    why text;
+    other bigint;
+    t timestamptz;
+    cols text[];
+    prev reconciler.receipts;
+BEGIN
+    -- Path 9: what describes the intent or a past move never changes. One
+    -- row comparison (a single expression), so the cheap path stays cheap;
+    -- the names of the offending columns are worked out only to refuse.
+    IF (NEW.id, NEW.idempotency_key, NEW.operation, NEW.dependency, NEW.method, NEW.target,
+        NEW.fingerprint, NEW.intent, NEW.pre_image, NEW.attempt, NEW.retry_of, NEW.created_at,
+        NEW.max_send_delay, NEW.guarded, NEW.submitted_at, NEW.submitted_by, NEW.unknown_since,
+        NEW.updated_at, NEW.version)
+       IS DISTINCT FROM
+       (OLD.id, OLD.idempotency_key, OLD.operation, OLD.dependency, OLD.method, OLD.target,
+        OLD.fingerprint, OLD.intent, OLD.pre_image, OLD.attempt, OLD.retry_of, OLD.created_at,
+        OLD.max_send_delay, OLD.guarded, OLD.submitted_at, OLD.submitted_by, OLD.unknown_since,
+        OLD.updated_at, OLD.version) THEN
+        cols := ARRAY['id', 'idempotency_key', 'operation', 'dependency', 'method', 'target',
+            'fingerprint', 'intent', 'pre_image', 'attempt', 'retry_of', 'created_at', 'max_send_delay',
+            'guarded', 'submitted_at', 'submitted_by', 'unknown_since', 'updated_at', 'version'];
+        SELECT string_agg(c, ', ') INTO why FROM unnest(cols) AS c
+        WHERE (to_jsonb(OLD) -> c) IS DISTINCT FROM (to_jsonb(NEW) -> c);
+        RAISE EXCEPTION 'receipt %: % cannot be changed (the intent and the times of past moves are '
+            'immutable; the database stamps submitted_at, submitted_by, unknown_since, updated_at and version)',
+            OLD.id, why USING ERRCODE = 'RL006';
+    END IF;
+    -- An UPDATE that leaves the state as it is (leases, schedules) is not a
+    -- move and records nothing; so it may not rewrite what the latest move
+    -- recorded either.
+    IF NEW.state = OLD.state THEN
+        IF (NEW.state_actor, NEW.state_detail, NEW.external_id)
+           IS DISTINCT FROM (OLD.state_actor, OLD.state_detail, OLD.external_id) THEN
+            SELECT string_agg(c, ', ') INTO why FROM unnest(ARRAY['state_actor', 'state_detail', 'external_id']) AS c
+            WHERE (to_jsonb(OLD) -> c) IS DISTINCT FROM (to_jsonb(NEW) -> c);
+            RAISE EXCEPTION 'receipt %: % cannot be changed without a move (the latest move recorded them)',
+                OLD.id, why USING ERRCODE = 'RL006';
+        END IF;
+        NEW.moved_from := NULL;
+        RETURN NEW;
+    END IF;
+    -- PL/pgSQL rebuilds its simple expressions in every transaction, and
+    -- every move is its own transaction: one array test is cheap to rebuild,
+    -- the full table with its reasons is worked out only for a refusal.
+    IF NOT (OLD.state || '>' || NEW.state) = ANY ('{planned>submitted,planned>rejected,
+            submitted>succeeded,submitted>rejected,submitted>outcome_unknown,
+            outcome_unknown>reconciling,outcome_unknown>manual_review,
+            reconciling>succeeded,reconciling>safe_to_retry,reconciling>manual_review,
+            manual_review>succeeded,manual_review>safe_to_retry,manual_review>rejected,
+            manual_review>outcome_unknown}'::text[])
+       OR OLD.state = 'manual_review' AND NEW.state_actor NOT LIKE 'human:_%'
+       OR NEW.state_actor !~ '^(agent|reconciler|human):.' THEN
+        why := coalesce(reconciler.transition_error(OLD.state, NEW.state, NEW.state_actor),
+                        'the actor must be <agent|reconciler|human>:<id>');
+        RAISE EXCEPTION 'illegal transition % -> % by %: %', OLD.state, NEW.state, NEW.state_actor, why
+            USING ERRCODE = 'RL001';
+    END IF;
+    -- Who may move (path 8), where the roles of docs/roles.sql are in use.
+    -- The moves out of planned and submitted are the agent's (the orphan
+    -- sweep makes one too) and pay for no role lookup on the agent's hot
+    -- path: a move out of submitted compares the login with submitted_by
+    -- first, and looks roles up only when they differ.
+    IF OLD.state = 'submitted' THEN
+        -- Only the login that submitted a receipt sends its request, so only
+        -- it knows what became of it: another agent's login may not settle
+        -- it (say, as a retryable not_sent, then retry it: sent twice). The
+        -- reconciler's logins (the orphan sweep) and reviewers may; so may
+        -- the table's owner and any login in no role of docs/roles.sql. A
+        -- receipt submitted before migration 00004 has no submitted_by: the
+        -- orphan sweep settles it.
+        IF current_user IS DISTINCT FROM OLD.submitted_by THEN
+            IF coalesce(pg_has_role(current_user, to_regrole('reconciler_agent'), 'MEMBER'), false)
+               AND NOT coalesce(pg_has_role(current_user, to_regrole('reconciler_worker'), 'MEMBER'), false)
+               AND NOT coalesce(pg_has_role(current_user, to_regrole('reconciler_reviewer'), 'MEMBER'), false) THEN
+                RAISE EXCEPTION 'illegal transition % -> % by %: receipt % was submitted by login %, and only '
+                    'that login (or a member of reconciler_worker or reconciler_reviewer) may move it out of '
+                    'submitted, not login %', OLD.state, NEW.state, NEW.state_actor, OLD.id,
+                    coalesce(quote_ident(OLD.submitted_by), '(unknown: submitted before migration 00004)'),
+                    quote_ident(current_user) USING ERRCODE = 'RL001';
+            END IF;
+        END IF;
+    ELSIF OLD.state = 'manual_review' THEN
+        -- "human" is a database role too: an agent's or the daemon's login
+        -- cannot leave manual_review by writing a human actor.
+        IF (coalesce(pg_has_role(current_user, to_regrole('reconciler_agent'), 'MEMBER'), false)
+            OR coalesce(pg_has_role(current_user, to_regrole('reconciler_worker'), 'MEMBER'), false))
+           AND NOT coalesce(pg_has_role(current_user, to_regrole('reconciler_reviewer'), 'MEMBER'), false) THEN
+            RAISE EXCEPTION 'illegal transition % -> % by %: only a member of reconciler_reviewer may leave manual_review',
+                OLD.state, NEW.state, NEW.state_actor USING ERRCODE = 'RL001';
+        END IF;
+    ELSIF OLD.state IN ('outcome_unknown', 'reconciling') AND to_regrole('reconciler_agent') IS NOT NULL THEN
+        -- To or from reconciling, and outcome_unknown -> manual_review: the
+        -- reconciler's moves (or a reviewer's), never an agent's login, which
+        -- could otherwise settle its own receipt without a readback. The
+        -- owner of the table (who ran the migrations) is not refused: it
+        -- could disable this trigger anyway.
+        IF NOT (coalesce(pg_has_role(current_user, to_regrole('reconciler_worker'), 'MEMBER'), false)
+                OR coalesce(pg_has_role(current_user, to_regrole('reconciler_reviewer'), 'MEMBER'), false)) THEN
+            IF NOT pg_has_role(current_user,
+                               (SELECT c.relowner FROM pg_catalog.pg_class c WHERE c.oid = TG_RELID), 'MEMBER') THEN
+                RAISE EXCEPTION 'illegal transition % -> % by %: only a member of reconciler_worker or '
+                    'reconciler_reviewer may make this move', OLD.state, NEW.state, NEW.state_actor
+                    USING ERRCODE = 'RL001';
+            END IF;
+        END IF;
+    END IF;
+    -- Path 1: the duplicate guard of plan holds until the bytes may leave.
+    -- Under plan's lock, a guarded receipt is not submitted while another
+    -- receipt of the same intent is unresolved (so of two receipts planned
+    -- under two keys at once, exactly one is sent); the refused one stays
+    -- planned. (The lock is held to commit, so a concurrent submission or
+    -- plan of the same intent waits and then sees this one.) A statement
+    -- that submits many guarded receipts takes one such lock per intent,
+    -- held to commit, and the server's lock table holds about
+    -- max_locks_per_transaction x max_connections: bulk loaders submit in
+    -- chunks of a few thousand, or insert their receipts with guarded = false.
+    IF NEW.state = 'submitted' THEN
+        -- A retry is sent only while its previous attempt may still be
+        -- retried: a late outcome recorded since the retry was planned (a
+        -- success, or a call still alive: reconciler.retry_error) stops it.
+        -- The share lock serializes with record_late_outcome, which holds
+        -- the previous receipt FOR UPDATE while it writes: either the late
+        -- outcome commits first and is seen here, or it waits for this
+        -- submission and is recorded against a receipt whose retry is out
+        -- (the reconciler and a human then see both). Taken before the
+        -- guard's lock, in plan's order (previous receipt, then intent).
+        -- Only retries pay for it. RL002; the retry stays planned.
+        IF OLD.retry_of IS NOT NULL THEN
+            SELECT * INTO prev FROM reconciler.receipts x WHERE x.id = OLD.retry_of FOR SHARE;
+            why := reconciler.retry_error(prev);
+            IF why IS NOT NULL THEN
+                RAISE EXCEPTION 'receipt % (attempt %, the retry of receipt %) is not submitted: %',
+                    OLD.id, OLD.attempt, OLD.retry_of, why USING ERRCODE = 'RL002', DETAIL = OLD.retry_of::text;
+            END IF;
+        END IF;
+        IF OLD.guarded THEN
+            -- (An assignment, not PERFORM: a plain expression is evaluated in
+            -- place, where PERFORM would run a query.)
+            why := pg_advisory_xact_lock(hashtextextended(OLD.dependency || ' ' || OLD.fingerprint, 0))::text;
+            SELECT x.id INTO other FROM reconciler.receipts x
+            WHERE x.dependency = OLD.dependency AND x.fingerprint = OLD.fingerprint
+              AND x.state IN ('submitted', 'outcome_unknown', 'reconciling', 'manual_review')
+              AND x.id <> OLD.id
+            ORDER BY x.id LIMIT 1;
+            IF FOUND THEN
+                RAISE EXCEPTION 'receipt %: intent % is unresolved in receipt %: a duplicate is not submitted',
+                    OLD.id, OLD.fingerprint, other USING ERRCODE = 'RL005', DETAIL = other::text;
+            END IF;
+        END IF;
+    END IF;
+    -- An agent that learned its call succeeded after the orphan sweep moved
+    -- its receipt recorded so (reconciler.record_late_outcome, which holds
+    -- the row while it does): the effect exists, so it is never safe_to_retry.
+    -- (Nested: a condition with a subquery is a full query even when its
+    -- first half is false, and every other move would pay for it.)
+    IF NEW.state = 'safe_to_retry' THEN
+        IF EXISTS (SELECT FROM reconciler.late_outcomes l
+                   WHERE l.receipt_id = OLD.id AND l.outcome = 'succeeded') THEN
+            RAISE EXCEPTION 'receipt % has a late succeeded outcome recorded by its agent: it is not safe_to_retry',
+                OLD.id USING ERRCODE = 'RL002', DETAIL = 'succeeded';
+        END IF;
+    END IF;
+    -- A move that did not set its own detail must not inherit the previous one's.
+    IF NEW.state_detail = OLD.state_detail THEN
+        NEW.state_detail := '{}';
+    END IF;
+    t := clock_timestamp();
+    NEW.moved_from := OLD.state;
+    NEW.version := OLD.version + 1;
+    NEW.updated_at := t;
+    IF NEW.state = 'submitted' THEN
+        NEW.submitted_at := t;
+        NEW.submitted_by := current_user;
+    END IF;
+    IF NEW.state = 'outcome_unknown' THEN
+        -- Every move here (lost answer, orphan, requeue) starts a fresh check
+        -- budget and deadline.
+        NEW.unknown_since := t;
+        NEW.next_check_at := t;
+        NEW.check_count := 0;
+        NEW.last_check_transient := false;
+        NEW.lease_owner := NULL;
+        NEW.lease_expires_at := NULL;
+        -- Wake idle reconcilers (delivered at commit; Postgres folds
+        -- identical notifications of one transaction into one).
+        why := pg_notify('reconciler_due', '')::text;
+    END IF;
+    IF NEW.state IN ('succeeded', 'safe_to_retry', 'rejected', 'manual_review') THEN
+        NEW.next_check_at := NULL;
+        NEW.lease_owner := NULL;
+        NEW.lease_expires_at := NULL;
+    END IF;
+    RETURN NEW;
+END
+$$;
+-- +goose StatementEnd
+
 
 DROP FUNCTION reconciler.note_lifetime_alarm(reconciler.receipts, jsonb);
 DROP FUNCTION reconciler.window_voided_by(reconciler.receipts, jsonb);
