@@ -584,6 +584,16 @@ func (g *Gateway) answer(w http.ResponseWriter, r *http.Request, c *call, res *l
 		g.refuse(w, name, newProblem(ProblemInvalidKey, "a key is printable, at most 255 bytes, and does not end in #<digits> (the suffix of retries)"))
 	case errors.Is(err, ledger.ErrInvalidIntent):
 		g.refuse(w, name, newProblem(ProblemInvalidIntent, ledgerDetail(err)))
+	case errors.Is(err, ledger.ErrKeyRetentionPassed) && res != nil && res.Receipt != nil &&
+		res.Receipt.State == statemachine.OutcomeUnknown:
+		// Caller.Do sent nothing and sent the previous attempt back to the
+		// reconciler for a fresh proof (SPEC §5a): ask again once it settles.
+		pr := newProblem(ProblemInProgress, fmt.Sprintf("the previous attempt's absence was proven on the API's idempotency key, "+
+			"whose retention has passed: nothing was sent, and receipt %d went back to the reconciler for a fresh proof; "+
+			"send the call again with the same Idempotency-Key once it settles", res.Receipt.ID))
+		pr.ReceiptID, pr.ReceiptState = res.Receipt.ID, string(res.Receipt.State)
+		pr.WaitURL = waitURL(res.Receipt.ID)
+		g.refuse(w, name, pr)
 	case errors.Is(err, ledger.ErrRetryRefused):
 		pr := newProblem(ProblemRetryRefused, "the previous attempt received a late answer after it was settled: its effect exists or may exist; a human must look")
 		if res != nil && res.Receipt != nil {
