@@ -610,6 +610,9 @@ BEGIN
     IF coalesce(current_setting('reconciler.accept_down_data_loss', true), '') = 'on' THEN
         RETURN;
     END IF;
+    -- The lock the drops below take anyway, taken first: no receipt or late
+    -- outcome is written between the count and the drop.
+    LOCK TABLE reconciler.receipts, reconciler.late_outcomes IN ACCESS EXCLUSIVE MODE;
     SELECT count(*) INTO unsettled FROM reconciler.receipts
     WHERE state IN ('planned', 'submitted', 'outcome_unknown', 'reconciling', 'manual_review');
     SELECT count(*), count(DISTINCT l.receipt_id) INTO late, late_receipts
