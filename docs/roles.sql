@@ -213,12 +213,9 @@ GRANT UPDATE (attempts, last_status, last_error, last_attempt_at, next_attempt_a
 -- safe_to_retry).
 GRANT SELECT ON reconciler.receipts, reconciler.readback_checks, reconciler.duplicate_alarms,
     reconciler.late_outcomes, reconciler.lifetime_alarms TO reconciler_worker;
--- Its settlement skips a safe_to_retry whose window a late answer voids
--- (migration 00014); the trigger that refuses one and keeps the alarm
--- (reconciler.lifetime_alarms) runs as the table's owner.
-GRANT EXECUTE ON FUNCTION reconciler.absence_window_end(reconciler.receipts, jsonb),
-    reconciler.window_voided_by(reconciler.receipts, jsonb)
-    TO reconciler_worker;
+-- (The trigger that refuses a safe_to_retry whose window a late answer
+-- voids, and keeps the alarm in reconciler.lifetime_alarms, runs as the
+-- table's owner: migration 00014.)
 GRANT UPDATE (state, state_actor, state_detail, external_id, lease_owner, lease_expires_at,
               next_check_at, check_count, last_check_transient, wait_count)
     ON reconciler.receipts TO reconciler_worker;
