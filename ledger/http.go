@@ -193,6 +193,13 @@ type Result struct {
 	// Replayed is set when the idempotency key named a receipt that was
 	// already past planned: nothing was sent, and Receipt is that one.
 	Replayed bool
+	// Unrecorded is set when the call was made and recording its outcome
+	// failed (the database unreachable, read-only mid-failover): the
+	// receipt stays submitted, and the observed outcome is here for the
+	// caller to keep and write once the database answers
+	// (Caller.RecordUnrecorded). Dropped, the reconciler reads the effect
+	// back after the orphan timeout instead.
+	Unrecorded *Unrecorded
 }
 
 // OutcomeError is the error of a Do whose receipt did not succeed. It
@@ -469,6 +476,9 @@ func (c *Caller) Do(ctx context.Context, in Intent, req *http.Request) (*Result,
 			// refuse any retry of the receipt (reconciler.retry_error);
 			// a late rejection proves no effect.
 			note = c.recordLate(ctx, sub, ce.Actual, ex, v, detail)
+		}
+		if ce == nil {
+			res.Unrecorded = &Unrecorded{Receipt: sub, Verdict: v, HTTPStatus: ex.Status(), Detail: detail}
 		}
 		gctx, cancel := c.writeContext(ctx)
 		if cur, gerr := c.Ledger.Get(gctx, sub.ID); gerr == nil {
