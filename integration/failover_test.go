@@ -16,7 +16,6 @@ import (
 	"testing"
 	"time"
 
-
 	"github.com/receiptledger/reconciler/gateway"
 	"github.com/receiptledger/reconciler/internal/pgcluster"
 	"github.com/receiptledger/reconciler/ledger"
@@ -438,4 +437,3 @@ func (a *failoverAgents) viaGateway(key string) bool {
 	}
 	return doc.State == string(statemachine.Succeeded) || doc.State == string(statemachine.ManualReview)
 }
-
