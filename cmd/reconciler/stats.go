@@ -7,6 +7,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/urfave/cli/v2"
 
+	"github.com/receiptledger/reconciler/ledger"
 	"github.com/receiptledger/reconciler/reconcile"
 )
 
@@ -51,6 +52,15 @@ func statsCommand() *cli.Command {
 				{"oldest_unsettled_age_s", int64(b.OldestUnsettledAge.Seconds())},
 				{"duplicates_detected", b.Duplicates},
 			}
+			// What a commit on this server means (docs/failover.md).
+			d, err := ledger.ReadDurability(c.Context, db)
+			if err != nil {
+				return dbFailure("stats", db, err, readBacklog)
+			}
+			fields = append(fields, []struct {
+				name  string
+				value any
+			}{{"durability", d.Mode}, {"synchronous_standbys", d.Synchronous}, {"asynchronous_standbys", d.Asynchronous}}...)
 			if c.Bool("json") {
 				m := make(map[string]any, len(fields))
 				for _, f := range fields {
