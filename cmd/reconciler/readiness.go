@@ -8,7 +8,6 @@ import (
 	"sync"
 	"time"
 
-	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/urfave/cli/v2"
@@ -33,7 +32,7 @@ const (
 
 // ledgerHealth checks, every healthEvery in the background, what /readyz
 // answers from: whether the database answers, whether this process can
-// write the ledger now (a write probe: a standby or a read-only primary
+// write the ledger now (its sessions not read-only: a standby or a read-only primary
 // refuses it with SQLSTATE 25006), whether the schema is current, and what
 // a commit means (ledger.Durability). /readyz never waits on the database:
 // it answers at once from the last check, so a slow database (300 ms a
@@ -72,10 +71,15 @@ func newLedgerHealth(db *pgxpool.Pool, reg prometheus.Registerer, logger *slog.L
 	return h
 }
 
-// sqlWriteProbe assigns a transaction id: refused (25006) on a standby or
-// in a read-only transaction, as every ledger write would be, and touching
-// no table.
-const sqlWriteProbe = `SELECT pg_current_xact_id()::text`
+// sqlWriteProbe reads whether this process's sessions are read-only: on
+// a standby, or with default_transaction_read_only on (a primary made
+// read-only, as a switchover does), every ledger write is refused with
+// SQLSTATE 25006.
+const sqlWriteProbe = `SELECT current_setting('transaction_read_only')::bool`
+
+// errReadOnly is the write probe's finding: the session is read-only.
+var errReadOnly = errors.New("the database is read-only (transaction_read_only is on: a standby, or a primary made read-only, as mid-failover); " +
+	"every ledger write is refused with SQLSTATE 25006: this process cannot write the ledger now")
 
 // check reads everything once, within healthTimeout, and logs the
 // durability the first time and whenever it changes.
@@ -85,8 +89,10 @@ func (h *ledgerHealth) check(ctx context.Context) {
 	d, dbErr := ledger.ReadDurability(ctx, h.db)
 	var writeErr, schemaErr error
 	if dbErr == nil {
-		var xid string
-		writeErr = h.db.QueryRow(ctx, sqlWriteProbe).Scan(&xid)
+		var readOnly bool
+		if writeErr = h.db.QueryRow(ctx, sqlWriteProbe).Scan(&readOnly); writeErr == nil && readOnly {
+			writeErr = errReadOnly
+		}
 		schemaErr = migrations.Check(ctx, h.db)
 	}
 	h.mu.Lock()
@@ -167,14 +173,10 @@ func (h *ledgerHealth) notReady() (string, *durabilityJSON) {
 		return "database unreachable: " + h.dbErr.Error(), dj
 	case age > 3*healthEvery+healthTimeout:
 		return fmt.Sprintf("the database has not answered a check for %s", age.Round(time.Second)), dj
+	case errors.Is(h.writeErr, errReadOnly):
+		return h.writeErr.Error(), dj
 	case h.writeErr != nil:
-		why := "the database refuses this process's writes: " + h.writeErr.Error()
-		var pe *pgconn.PgError
-		if errors.As(h.writeErr, &pe) && pe.Code == "25006" {
-			why = "the database is read-only (SQLSTATE 25006: a standby, or a primary made read-only, as mid-failover): " +
-				"this process cannot write the ledger now"
-		}
-		return why, dj
+		return "database unreachable: " + h.writeErr.Error(), dj
 	case h.schemaErr != nil:
 		return "database schema not current: " + h.schemaErr.Error(), dj
 	case h.require && !h.d.Replicated():
