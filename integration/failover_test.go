@@ -42,7 +42,9 @@ import (
 //     quotes.
 func TestFailover(t *testing.T) {
 	bin := buildBinary(t)
+	// The two run side by side: most of the formation's setup is waiting.
 	t.Run("Synchronous", func(t *testing.T) {
+		t.Parallel()
 		setup := time.Now()
 		f := startFormation(t)
 		t.Logf("pg_auto_failover formation up in %s", time.Since(setup).Round(100*time.Millisecond))
@@ -53,6 +55,7 @@ func TestFailover(t *testing.T) {
 		}
 	})
 	t.Run("Asynchronous", func(t *testing.T) {
+		t.Parallel()
 		primary, err := pgcluster.Start()
 		if err != nil {
 			t.Fatal(err)

@@ -76,6 +76,21 @@ func startFormation(t *testing.T) *pafFormation {
 		}
 	}
 	ctx := context.Background()
+	// The monitor's and node_1's clusters are made here, without the
+	// fsyncs pg_autoctl's initdb would pay (seconds each on a busy
+	// machine); pg_autoctl takes an existing data directory. pg_basebackup
+	// of the secondary asks node_1 for a spread checkpoint: minutes on a
+	// fresh node unless the spread is 0.
+	f.initdb(t, "monitor")
+	f.initdb(t, "node_1")
+	conf, err := os.OpenFile(filepath.Join(f.pgdata("node_1"), "postgresql.conf"), os.O_APPEND|os.O_WRONLY, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := conf.WriteString("checkpoint_completion_target = 0\n"); err != nil {
+		t.Fatal(err)
+	}
+	conf.Close()
 	f.run(t, "monitor", "create", "monitor", "--pgdata", f.pgdata("monitor"), "--pgport", strconv.Itoa(f.monitorPort),
 		"--hostname", "127.0.0.1", "--auth", "trust", "--no-ssl", "--run")
 	monitor := fmt.Sprintf("postgres://postgres@127.0.0.1:%d/pg_auto_failover?sslmode=disable", f.monitorPort)
@@ -101,18 +116,6 @@ func startFormation(t *testing.T) *pafFormation {
 			"--monitor", fmt.Sprintf("postgres://autoctl_node@127.0.0.1:%d/pg_auto_failover?sslmode=disable", f.monitorPort), "--run")
 		if i == 0 {
 			f.waitState(t, mc, map[int]string{port: "single"})
-			// pg_basebackup of the secondary asks for a spread
-			// checkpoint: minutes on a fresh node unless the spread is 0.
-			nc, err := pgx.Connect(ctx, f.nodeURL(0))
-			if err != nil {
-				t.Fatal(err)
-			}
-			for _, q := range []string{"ALTER SYSTEM SET checkpoint_completion_target = 0", "SELECT pg_reload_conf()", "CHECKPOINT"} {
-				if _, err := nc.Exec(ctx, q); err != nil {
-					t.Fatal(err)
-				}
-			}
-			nc.Close(ctx)
 		}
 	}
 	f.waitState(t, mc, map[int]string{f.ports[0]: "primary", f.ports[1]: "secondary"})
@@ -130,6 +133,17 @@ func (f *pafFormation) nodeURL(i int) string {
 func (f *pafFormation) URL() string {
 	return fmt.Sprintf("postgres://postgres@127.0.0.1:%d,127.0.0.1:%d/app?target_session_attrs=read-write&sslmode=disable&connect_timeout=2",
 		f.ports[0], f.ports[1])
+}
+
+// initdb makes the cluster of name (no fsync: a test's data).
+func (f *pafFormation) initdb(t *testing.T, name string) {
+	t.Helper()
+	cmd := exec.Command(filepath.Join(f.bin, "initdb"), "-D", f.pgdata(name), "-U", "postgres", "-A", "trust", "-E", "UTF8", "--no-sync")
+	cmd.Dir = f.dir
+	cmd.SysProcAttr = &syscall.SysProcAttr{Credential: f.cred}
+	if out, err := cmd.CombinedOutput(); err != nil {
+		t.Fatalf("initdb %s: %v\n%s", name, err, out)
+	}
 }
 
 // run starts `pg_autoctl args...` in the background, its output in

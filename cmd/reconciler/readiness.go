@@ -27,7 +27,7 @@ func requireSyncFlag() *cli.BoolFlag {
 // The cadence of ledgerHealth's checks, and the bound of each.
 const (
 	healthEvery   = 2 * time.Second
-	healthTimeout = 2 * time.Second
+	healthTimeout = 5 * time.Second
 )
 
 // ledgerHealth checks, every healthEvery in the background, what /readyz

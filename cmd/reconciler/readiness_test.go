@@ -2,12 +2,16 @@ package main
 
 import (
 	"context"
+	"encoding/json"
 	"io"
 	"log/slog"
+	"net/http"
+	"net/http/httptest"
 	"strings"
 	"testing"
 	"time"
 
+	"github.com/receiptledger/reconciler/gateway"
 	"github.com/receiptledger/reconciler/internal/pgtest"
 	"github.com/receiptledger/reconciler/ledger"
 )
@@ -61,5 +65,40 @@ func TestReadinessWritesAndStaleness(t *testing.T) {
 	req.check(ctx)
 	if why, _ := req.notReady(); why == "" {
 		t.Fatal("required a synchronous standby on a server without one: ready")
+	}
+}
+
+// The gateway's /readyz: 200 with the durability and the count of kept
+// outcomes while the ledger can be written, 503 with the reason otherwise.
+func TestGatewayReadyz(t *testing.T) {
+	url := pgtest.NewDatabase(t)
+	ctx := context.Background()
+	logger := slog.New(slog.NewTextHandler(io.Discard, nil))
+	client, err := ledger.New(pgtest.Pool(t, url), "agent:gateway")
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg, err := gateway.ParseConfig("routes.yaml", []byte("version: 1\nagents: [{id: a, token: {env: T}}]\nroutes: [{prefix: /x, upstream: 'http://127.0.0.1:9', dependency: x}]\n"),
+		func(string) (string, bool) { return "token-0123456789abcdef", true })
+	if err != nil {
+		t.Fatal(err)
+	}
+	g := gateway.New(client, cfg, gateway.Options{})
+	for _, tc := range []struct {
+		require bool
+		status  int
+	}{{false, http.StatusOK}, {true, http.StatusServiceUnavailable}} {
+		h := newLedgerHealth(pgtest.Pool(t, url), nil, logger, tc.require)
+		h.check(ctx)
+		rec := httptest.NewRecorder()
+		gatewayReadyz(h, g)(rec, httptest.NewRequest(http.MethodGet, "/readyz", nil))
+		var body gatewayReadiness
+		if err := json.Unmarshal(rec.Body.Bytes(), &body); err != nil {
+			t.Fatal(err)
+		}
+		if rec.Code != tc.status || body.Durability == nil || body.Durability.Mode != ledger.DurabilityLocal ||
+			(tc.require && !strings.Contains(body.Reason, "synchronous standby")) {
+			t.Fatalf("require %v: %d %s", tc.require, rec.Code, rec.Body)
+		}
 	}
 }
