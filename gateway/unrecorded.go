@@ -108,7 +108,12 @@ func (g *Gateway) unrecordedLoop(ctx context.Context) {
 	for {
 		select {
 		case <-ctx.Done():
-			if n := g.RecordUnrecorded(context.WithoutCancel(ctx)); n > 0 {
+			// One last try, bounded: a stop must not wait on a database
+			// that does not answer.
+			fctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), ledger.DefaultSettleTimeout)
+			n := g.RecordUnrecorded(fctx)
+			cancel()
+			if n > 0 {
 				g.log.Error("stopping with outcomes not recorded: their receipts stay submitted until the reconciler's orphan sweep and readback settle them",
 					"unrecorded", n)
 			}

@@ -93,13 +93,14 @@ type failoverFigures struct {
 	// manual_review with a reason.
 	withoutReceipt, duplicates, unfinished int
 	manualReview                           int
-	// firstReceipt and lastSettlement are counted from the kill.
+	// firstReceipt (the first call begun after the kill to succeed) and
+	// lastSettlement are counted from the kill.
 	promoted, firstReceipt, lastSettlement time.Duration
 }
 
 func (f failoverFigures) String() string {
 	return fmt.Sprintf("1 kill; %d tasks, %d receipts, %d requests received by the API; %d sends without a receipt, "+
-		"%d duplicate effects, %d tasks unfinished, %d in manual_review; from the kill: promoted %s, first new receipt %s, last settlement %s",
+		"%d duplicate effects, %d tasks unfinished, %d in manual_review; from the kill: promoted %s, first new call recorded and answered %s, last settlement %s",
 		f.tasks, f.receipts, f.sends, f.withoutReceipt, f.duplicates, f.unfinished, f.manualReview,
 		f.promoted.Round(100*time.Millisecond), f.firstReceipt.Round(100*time.Millisecond), f.lastSettlement.Round(100*time.Millisecond))
 }
@@ -217,6 +218,9 @@ routes:
 	})
 	t.Logf("load under way (%s since the start)", time.Since(started).Round(100*time.Millisecond))
 	killed := time.Now()
+	a.mu.Lock()
+	a.killed = killed
+	a.mu.Unlock()
 	kill()
 	promote()
 	promoted := time.Since(killed)
@@ -235,9 +239,12 @@ routes:
 	// receipt settled by the daemon first) until it is.
 	waitFor(t, 2*time.Minute, "every task finished", func() (bool, string) {
 		open := a.open()
+		var fw sync.WaitGroup
 		for _, task := range open {
-			a.finish(task)
+			fw.Add(1)
+			go func() { defer fw.Done(); a.finish(task) }()
 		}
+		fw.Wait()
 		return len(open) == 0, strconv.Itoa(len(open)) + " open"
 	})
 	waitFor(t, 2*time.Minute, "every receipt settled", func() (bool, string) {
@@ -250,11 +257,9 @@ routes:
 
 	st := checkHistories(t, db)
 	fig := failoverFigures{promoted: promoted, lastSettlement: st.last.Sub(killed)}
-	var first time.Time
-	if err := db.QueryRow(ctx, `SELECT min(created_at) FROM reconciler.receipts WHERE created_at > $1`, killed).Scan(&first); err != nil {
-		t.Fatal(err)
-	}
-	fig.firstReceipt = first.Sub(killed)
+	a.mu.Lock()
+	fig.firstReceipt = a.firstAfter.Sub(killed)
+	a.mu.Unlock()
 	// Submitted receipts by logical key, on the new primary.
 	rows, err := db.Query(ctx, `SELECT idempotency_key, state::text, coalesce(state_detail->>'reason', '') FROM reconciler.receipts
 		WHERE submitted_at IS NOT NULL ORDER BY id`)
@@ -318,6 +323,9 @@ type failoverAgents struct {
 	// done is every task's logical key, true once finished (succeeded,
 	// or held in manual_review).
 	done map[string]bool
+	// killed is when the primary was killed; firstAfter when the first
+	// task begun after it succeeded.
+	killed, firstAfter time.Time
 	n    atomic.Int64
 }
 
@@ -335,6 +343,7 @@ func (a *failoverAgents) work(agent int, viaGateway bool, stop <-chan struct{}) 
 		a.mu.Unlock()
 		for try := 0; try < 20; try++ {
 			var ok bool
+			start := time.Now()
 			if viaGateway {
 				ok = a.viaGateway(key)
 			} else {
@@ -343,6 +352,9 @@ func (a *failoverAgents) work(agent int, viaGateway bool, stop <-chan struct{}) 
 			if ok {
 				a.mu.Lock()
 				a.done[key] = true
+				if !a.killed.IsZero() && start.After(a.killed) && a.firstAfter.IsZero() {
+					a.firstAfter = time.Now()
+				}
 				a.mu.Unlock()
 				break
 			}
