@@ -326,7 +326,7 @@ type failoverAgents struct {
 	// killed is when the primary was killed; firstAfter when the first
 	// task begun after it succeeded.
 	killed, firstAfter time.Time
-	n    atomic.Int64
+	n                  atomic.Int64
 }
 
 // work runs tasks one after another until stop.
