@@ -193,6 +193,13 @@ type Result struct {
 	// Replayed is set when the idempotency key named a receipt that was
 	// already past planned: nothing was sent, and Receipt is that one.
 	Replayed bool
+	// Unrecorded is set when the call was made and recording its outcome
+	// failed (the database unreachable, read-only mid-failover): the
+	// receipt stays submitted, and the observed outcome is here for the
+	// caller to keep and write once the database answers
+	// (Caller.RecordUnrecorded). Dropped, the reconciler reads the effect
+	// back after the orphan timeout instead.
+	Unrecorded *Unrecorded
 }
 
 // OutcomeError is the error of a Do whose receipt did not succeed. It
@@ -394,6 +401,11 @@ func (c *Caller) Do(ctx context.Context, in Intent, req *http.Request) (*Result,
 		}
 		return c.replay(ctx, dup.Existing)
 	}
+	var nr *NotReplicatedError
+	if errors.As(err, &nr) {
+		closeBody(req)
+		return c.notReplicated(ctx, nr, err)
+	}
 	if err != nil {
 		closeBody(req)
 		return nil, err
@@ -447,6 +459,10 @@ func (c *Caller) Do(ctx context.Context, in Intent, req *http.Request) (*Result,
 			}
 			return &Result{Receipt: r}, err
 		}
+		if errors.As(err, &nr) {
+			closeBody(req)
+			return c.notReplicated(ctx, nr, err)
+		}
 		if err != nil {
 			closeBody(req)
 			return &Result{Receipt: r}, fmt.Errorf("ledger: receipt %d: submit failed, nothing sent: %w", r.ID, err)
@@ -481,6 +497,9 @@ func (c *Caller) Do(ctx context.Context, in Intent, req *http.Request) (*Result,
 			// a late rejection proves no effect.
 			note = c.recordLate(ctx, sub, ce.Actual, ex, v, detail)
 		}
+		if ce == nil {
+			res.Unrecorded = &Unrecorded{Receipt: sub, Verdict: v, HTTPStatus: ex.Status(), Detail: detail}
+		}
 		gctx, cancel := c.writeContext(ctx)
 		if cur, gerr := c.Ledger.Get(gctx, sub.ID); gerr == nil {
 			res.Receipt = cur
@@ -493,6 +512,26 @@ func (c *Caller) Do(ctx context.Context, in Intent, req *http.Request) (*Result,
 		return res, nil
 	}
 	return res, &OutcomeError{Receipt: settled, Cause: cause, Err: ex.Err}
+}
+
+// notReplicated answers for a receipt whose submit committed with a
+// warning (ErrNotReplicated): nothing is sent, since a failover could lose
+// the record, and the receipt is rejected as not_sent, retryable, so the
+// step may be sent again (as its next attempt) once the standby confirms
+// commits. Should that move fail too, the receipt stays submitted, and
+// the orphan sweep and a readback settle it (nothing was sent).
+func (c *Caller) notReplicated(ctx context.Context, nr *NotReplicatedError, err error) (*Result, error) {
+	cause := &CallError{Code: CodeNotSent, Retryable: true,
+		Message: "the submit committed with a warning (" + nr.Warning + "): a standby may not have it, so nothing was sent"}
+	wctx, cancel := c.writeContext(ctx)
+	defer cancel()
+	rc := nr.Receipt
+	rej, rerr := c.Ledger.Reject(wctx, rc, Detail{Error: cause, Reason: "commit_not_replicated"})
+	if rerr != nil {
+		return &Result{Receipt: rc}, &OutcomeError{Receipt: rc, Err: errors.Join(err, rerr),
+			note: "nothing sent; recording it as not sent failed too: " + rerr.Error()}
+	}
+	return &Result{Receipt: rej}, &OutcomeError{Receipt: rej, Cause: cause, Err: err}
 }
 
 // movedOnBySweep reports whether a submitted receipt found in state s was

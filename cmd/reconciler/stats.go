@@ -8,6 +8,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/urfave/cli/v2"
 
+	"github.com/receiptledger/reconciler/ledger"
 	"github.com/receiptledger/reconciler/reconcile"
 )
 
@@ -68,6 +69,15 @@ func statsCommand() *cli.Command {
 				// window (SPEC §5a): an alarm on each dependency named.
 				{"lifetime_exceeded", exceeded},
 			}
+			// What a commit on this server means (docs/failover.md).
+			d, err := ledger.ReadDurability(c.Context, db)
+			if err != nil {
+				return dbFailure("stats", db, err, readBacklog)
+			}
+			fields = append(fields, []struct {
+				name  string
+				value any
+			}{{"durability", d.Mode}, {"synchronous_standbys", d.Synchronous}, {"asynchronous_standbys", d.Asynchronous}}...)
 			if c.Bool("json") {
 				m := make(map[string]any, len(fields)+1)
 				for _, f := range fields {
