@@ -378,6 +378,9 @@ func (g *Gateway) proxy(w http.ResponseWriter, r *http.Request) {
 	}
 	caller := &ledger.Caller{Ledger: g.ledger.As(statemachine.Actor(c.agent)), HTTP: g.clients[route],
 		ExternalID: route.ExternalID, MaxResponseBytes: g.cfg.MaxResponseBytes, Known: g.ownKey(c.agent)}
+	if !write {
+		caller.Classify = notModified
+	}
 	// The call outlives the agent's connection: its outcome is recorded
 	// (and replayed to the agent's next attempt) even if the agent left.
 	ctx, cancel := context.WithTimeout(c.trace(context.WithoutCancel(r.Context())), route.Timeout+time.Minute)
@@ -485,6 +488,16 @@ func (g *Gateway) upstreamRequest(r *http.Request, route *Route, rest string, fr
 	return up, nil
 }
 
+// notModified classifies a 304 to a read with a receipt: it answers a
+// conditional read ("the agent's copy is current"), a success, not a
+// redirect whose effect is unknown.
+func notModified(ex ledger.Exchange) (ledger.Verdict, bool) {
+	if ex.Response != nil && ex.Response.StatusCode == http.StatusNotModified {
+		return ledger.Verdict{Outcome: ledger.OutcomeSucceeded}, true
+	}
+	return ledger.Verdict{}, false
+}
+
 // passThrough forwards a read without a receipt.
 func (g *Gateway) passThrough(w http.ResponseWriter, c *call, up *http.Request) {
 	ctx := c.trace(up.Context())
@@ -495,7 +508,9 @@ func (g *Gateway) passThrough(w http.ResponseWriter, c *call, up *http.Request) 
 		return
 	}
 	defer resp.Body.Close()
-	if resp.StatusCode >= 300 && resp.StatusCode <= 399 {
+	// A 304 answers a conditional read (If-None-Match, If-Modified-Since):
+	// "your copy is current", not a redirect.
+	if resp.StatusCode >= 300 && resp.StatusCode <= 399 && resp.StatusCode != http.StatusNotModified {
 		g.refuse(w, c.route.Name, Problem{Type: ProblemUpstreamRedirect.URI(), Title: ProblemUpstreamRedirect.Title,
 			Status: ProblemUpstreamRedirect.Status, Retry: RetryNo, UpstreamStatus: resp.StatusCode,
 			Detail: "the gateway does not follow redirects"})
@@ -576,8 +591,12 @@ func (g *Gateway) answer(w http.ResponseWriter, r *http.Request, c *call, res *l
 		pr.ExistingReceiptID = dup.Existing.ID
 		pr.WaitURL = waitURL(dup.Existing.ID)
 		g.refuse(w, name, pr)
-	case errors.Is(err, errOtherAgent):
-		g.refuse(w, name, newProblem(ProblemKeyReused, "this Idempotency-Key names another agent's call"))
+	case errors.Is(err, errOtherAgent) || (errors.Is(err, ledger.ErrKeyConflict) && !g.ownsKey(r.Context(), c.agent, r.Header.Get(HeaderIdempotencyKey))):
+		// Another agent's key is answered the same whether or not the
+		// payload sent is the one it was used with (its owner is asked
+		// before its fingerprint is told): an agent cannot confirm
+		// another's payload one guess at a time.
+		g.refuse(w, name, newProblem(ProblemKeyReused, "this Idempotency-Key is taken: use a key of its own for each step"))
 	case errors.Is(err, ledger.ErrKeyConflict):
 		g.refuse(w, name, newProblem(ProblemKeyReused, "this Idempotency-Key names a call with another operation, target or payload: use a key of its own for each step"))
 	case errors.Is(err, ledger.ErrInvalidKey):
@@ -660,6 +679,16 @@ func (g *Gateway) ownKey(agent string) func(context.Context, *ledger.Receipt) er
 		}
 		return nil
 	}
+}
+
+// ownsKey reports whether agent made the receipt key names; a key whose
+// owner cannot be read is taken for another's.
+func (g *Gateway) ownsKey(ctx context.Context, agent, key string) bool {
+	owner, err := g.store.keyOwner(ctx, key)
+	if err != nil {
+		g.log.Warn("reading a key's owner failed", "agent", agent, "error", err)
+	}
+	return err == nil && owner == agent
 }
 
 // replay answers a call whose key names a receipt already past planned
