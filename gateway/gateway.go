@@ -316,7 +316,9 @@ func (g *Gateway) refuse(w http.ResponseWriter, route string, pr Problem) {
 
 func (g *Gateway) proxy(w http.ResponseWriter, r *http.Request) {
 	c := &call{start: time.Now()}
-	escaped := r.URL.EscapedPath()
+	// One spelling per resource, before anything is matched,
+	// fingerprinted or forwarded (the query too: upstreamRequest).
+	escaped := normalEscapes(r.URL.EscapedPath())
 	route, rest := g.match(escaped)
 	if route == nil {
 		g.refuse(w, routeNone, newProblem(ProblemUnknownRoute, "no route's prefix matches "+strconv.Quote(truncate(escaped))))
@@ -464,7 +466,7 @@ func (g *Gateway) upstreamRequest(r *http.Request, route *Route, rest string, fr
 	if rest == "/" && route.Upstream.Path != "" {
 		u.Path, u.RawPath = route.Upstream.Path, route.Upstream.RawPath
 	}
-	u.RawQuery = r.URL.RawQuery
+	u.RawQuery = normalEscapes(r.URL.RawQuery)
 	var rd io.Reader
 	if len(body) > 0 {
 		rd = bytes.NewReader(body)
