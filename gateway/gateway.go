@@ -164,7 +164,8 @@ func (g *Gateway) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 // outcome (outcome_unknown if any byte left, not_sent otherwise) and
 // answers the agent so, within cutGrace, before Run returns; nothing the
 // gateway could know is left submitted. h is the gateway itself when nil;
-// pass a handler around it to add endpoints (the CLI adds /metrics). Run
+// pass a handler around it to add endpoints (metrics belong on a listener
+// of their own: the CLI's --metrics-addr). Run
 // also deletes expired replay responses, a tenth of the retention apart,
 // and delivers the routes' webhooks (DeliverWebhooks).
 func (g *Gateway) Run(ctx context.Context, l net.Listener, h http.Handler, grace time.Duration) error {
