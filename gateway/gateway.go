@@ -380,7 +380,15 @@ func (g *Gateway) proxy(w http.ResponseWriter, r *http.Request) {
 		in.Webhook = route.Name
 	}
 	caller := &ledger.Caller{Ledger: g.ledger.As(statemachine.Actor(c.agent)), HTTP: g.clients[route],
-		ExternalID: route.ExternalID, MaxResponseBytes: g.cfg.MaxResponseBytes, Known: g.ownKey(c.agent)}
+		ExternalID: route.ExternalID, MaxResponseBytes: g.cfg.MaxResponseBytes, Known: g.ownKey(c.agent),
+		// The response is kept before the receipt settles: a replay
+		// between the two would otherwise find it settled without its
+		// response, and answer otherwise than this call does.
+		Answered: func(ctx context.Context, rc *ledger.Receipt, ex ledger.Exchange, v ledger.Verdict) {
+			if kept := g.keep(c, ex, v); kept != nil {
+				g.record(ctx, c, rc.ID, kept)
+			}
+		}}
 	if !write {
 		caller.Classify = notModified
 	}
@@ -391,9 +399,6 @@ func (g *Gateway) proxy(w http.ResponseWriter, r *http.Request) {
 	// ... unless the gateway stops and its grace period is over (Run).
 	defer context.AfterFunc(g.cut, cancel)()
 	res, err := caller.Do(ctx, in, up.WithContext(ctx))
-	if kept := g.keep(c, res, err); kept != nil {
-		g.record(ctx, c, res.Receipt.ID, kept)
-	}
 	if route.Webhook != nil && res != nil && res.Receipt != nil {
 		switch {
 		case res.Replayed:
@@ -707,7 +712,7 @@ func (g *Gateway) replay(w http.ResponseWriter, r *http.Request, c *call, rc *le
 			g.log.Warn("reading a kept response failed", "route", name, "receipt_id", rc.ID, "error", err)
 		}
 		setReceipt(w.Header(), rc)
-		if kept != nil && kept.Body != nil {
+		if kept != nil && kept.Body != nil && keptFits(rc.State, kept.Status) {
 			writeUpstream(w, c.route.redactor, kept.Status, kept.Headers, kept.Body)
 			return
 		}
@@ -736,38 +741,45 @@ func (g *Gateway) replay(w http.ResponseWriter, r *http.Request, c *call, rc *le
 	}
 }
 
-// keep returns what a fresh call's response leaves for replays, nil
-// when there is nothing to keep: a call replayed, not settled, or settled
-// without an answer from the upstream. A call settled succeeded or
-// rejected with the upstream's answer keeps its status, the headers the
-// file names and the body when within the replay bound, both with every
-// form of the route's credential removed.
-func (g *Gateway) keep(c *call, res *ledger.Result, err error) *storedResponse {
-	if res == nil || res.Replayed || res.Response == nil || res.Receipt == nil {
+// keep returns what a fresh call's response leaves for replays, nil when
+// there is nothing to keep: an answer whose outcome is unknown, or whose
+// body could not be read whole (or decoded). An answer classified
+// succeeded or rejected keeps its status, the headers the file names and
+// the body when within the replay bound, both with every form of the
+// route's credential removed. It is kept before the receipt settles
+// (ledger.Caller.Answered); replay uses it only for the outcome it was
+// kept for.
+func (g *Gateway) keep(c *call, ex ledger.Exchange, v ledger.Verdict) *storedResponse {
+	if ex.Response == nil || ex.Err != nil || (v.Outcome != ledger.OutcomeSucceeded && v.Outcome != ledger.OutcomeRejected) {
 		return nil
 	}
-	var oe *ledger.OutcomeError
-	if err != nil && !(errors.As(err, &oe) && oe.Receipt != nil && oe.Receipt.State == statemachine.Rejected) {
-		return nil
-	}
-	kept := &storedResponse{Agent: c.agent, Status: res.Response.StatusCode, Headers: http.Header{}, BodyBytes: int64(len(res.Body))}
+	kept := &storedResponse{Agent: c.agent, Status: ex.Response.StatusCode, Headers: http.Header{}, BodyBytes: int64(len(ex.Body))}
 	for _, h := range g.cfg.ReplayHeaders {
-		for _, v := range res.Response.Header.Values(h) {
+		for _, v := range ex.Response.Header.Values(h) {
 			// An API may echo the credential in a kept header too
 			// (a Location with the key in its query).
 			kept.Headers[h] = append(kept.Headers[h], c.route.redactor.String(v))
 		}
 	}
-	if int64(len(res.Body)) <= g.cfg.ReplayBodyBytes {
-		kept.Body = res.Body
+	if int64(len(ex.Body)) <= g.cfg.ReplayBodyBytes {
+		kept.Body = ex.Body
 		if !c.route.redactor.Empty() {
-			kept.Body = []byte(c.route.redactor.String(string(res.Body)))
+			kept.Body = []byte(c.route.redactor.String(string(ex.Body)))
 		}
 		if kept.Body == nil {
 			kept.Body = []byte{}
 		}
 	}
 	return kept
+}
+
+// keptFits reports whether a response kept for replays is the answer of
+// a receipt in state: kept before the receipt settled, it is another
+// outcome's when the settlement differed (recording it failed, and the
+// reconciler settled the receipt).
+func keptFits(state statemachine.State, status int) bool {
+	ok := status >= 200 && status <= 299 || status == http.StatusNotModified
+	return ok == (state == statemachine.Succeeded)
 }
 
 // record keeps a settled call's response for replays.

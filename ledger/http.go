@@ -177,6 +177,13 @@ type Caller struct {
 	// keys its own: another agent's reuse of a key must neither learn of
 	// that call nor send its next attempt.
 	Known func(ctx context.Context, r *Receipt) error
+	// Answered, when set, is called once a response to the request Do
+	// sent has arrived and been classified, with the submitted receipt,
+	// before the outcome is recorded: whatever it writes is there before
+	// the receipt settles, so a reader that sees the receipt settled sees
+	// it too. The gateway keeps the response for replays so. Its context
+	// is bounded by SettleTimeout; it cannot change the outcome.
+	Answered func(ctx context.Context, r *Receipt, ex Exchange, v Verdict)
 }
 
 // Result is what Do returns: the receipt and, when a response arrived, the
@@ -439,6 +446,11 @@ func (c *Caller) Do(ctx context.Context, in Intent, req *http.Request) (*Result,
 	}
 	ex, stats := c.send(ctx, req, t0.Add(delay), delay)
 	v, overridden := c.safeClassify(ex)
+	if c.Answered != nil && ex.Response != nil {
+		actx, cancel := c.writeContext(ctx)
+		c.Answered(actx, sub, ex, v)
+		cancel()
+	}
 	res := &Result{Receipt: sub, Response: ex.Response, Body: ex.Body, Verdict: v, Sent: ex.Sent}
 	settled, cause, detail, err := c.settle(ctx, sub, ex, v, overridden, stats)
 	if err != nil {
