@@ -39,6 +39,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/receiptledger/reconciler/internal/contentcoding"
 	"github.com/receiptledger/reconciler/internal/redact"
 	"github.com/receiptledger/reconciler/ledger"
 	"github.com/receiptledger/reconciler/statemachine"
@@ -381,6 +382,9 @@ func (g *Gateway) proxy(w http.ResponseWriter, r *http.Request) {
 	}
 	caller := &ledger.Caller{Ledger: g.ledger.As(statemachine.Actor(c.agent)), HTTP: g.clients[route],
 		ExternalID: route.ExternalID, MaxResponseBytes: g.cfg.MaxResponseBytes, Known: g.ownKey(c.agent),
+		// Whatever the upstream compressed its answer with: a body must be
+		// decoded to be classified, and redacted before it goes anywhere.
+		DecodeContent: true,
 		// The response is kept before the receipt settles: a replay
 		// between the two would otherwise find it settled without its
 		// response, and answer otherwise than this call does.
@@ -516,6 +520,10 @@ func (g *Gateway) passThrough(w http.ResponseWriter, c *call, up *http.Request) 
 		return
 	}
 	defer resp.Body.Close()
+	if err := contentcoding.Decode(resp); err != nil {
+		g.refuse(w, c.route.Name, undecodable(resp.StatusCode))
+		return
+	}
 	// A 304 answers a conditional read (If-None-Match, If-Modified-Since):
 	// "your copy is current", not a redirect.
 	if resp.StatusCode >= 300 && resp.StatusCode <= 399 && resp.StatusCode != http.StatusNotModified {
@@ -529,6 +537,10 @@ func (g *Gateway) passThrough(w http.ResponseWriter, c *call, up *http.Request) 
 		g.refuse(w, c.route.Name, newProblem(ProblemResponseTooLarge, fmt.Sprintf("more than %d bytes", g.cfg.MaxResponseBytes)))
 		return
 	}
+	if errors.Is(err, contentcoding.ErrUndecodable) {
+		g.refuse(w, c.route.Name, undecodable(resp.StatusCode))
+		return
+	}
 	if err != nil {
 		g.metrics.request(c.route.Name, outcomeError)
 		writeProblem(w, newProblem(ProblemUpstreamUnavailable, "reading the upstream's answer failed; a read changes nothing and may be sent again"))
@@ -537,6 +549,14 @@ func (g *Gateway) passThrough(w http.ResponseWriter, c *call, up *http.Request) 
 	g.metrics.request(c.route.Name, outcomePassthrough)
 	writeUpstream(w, c.route.redactor, resp.StatusCode, resp.Header, body)
 	g.metrics.addedLatency(c.route.Name, c.added())
+}
+
+// undecodable refuses a read's answer in a content coding the gateway
+// cannot decode: a credential echoed in it could not be removed.
+func undecodable(status int) Problem {
+	pr := newProblem(ProblemUndecodableResponse, "the upstream answered the read with a body in a content coding the gateway cannot decode: it is not passed on")
+	pr.UpstreamStatus = status
+	return pr
 }
 
 // gatewayHeaders are the response headers only the gateway writes: an
@@ -639,6 +659,15 @@ func (g *Gateway) settledOtherwise(w http.ResponseWriter, r *http.Request, c *ca
 		code = oe.Cause.Code
 	}
 	switch {
+	case rc.State == statemachine.Rejected && res != nil && res.Response != nil && errors.Is(oe, ledger.ErrUndecodableBody):
+		// A refusal whose body cannot be decoded: a credential echoed in
+		// it could not be removed, so none of it is passed on (nor kept:
+		// keep).
+		g.metrics.request(name, outcomeRejected)
+		pr := newProblem(ProblemUndecodableResponse, "the upstream rejected the call ("+code+") with a body the gateway cannot decode: "+
+			"it is not passed on. Nothing will be sent under this Idempotency-Key")
+		pr.ReceiptID, pr.ReceiptState, pr.Code, pr.UpstreamStatus = rc.ID, string(rc.State), code, res.Response.StatusCode
+		writeProblem(w, pr)
 	case rc.State == statemachine.Rejected && res != nil && res.Response != nil:
 		// A deterministic refusal (4xx) or a 429: the upstream's answer.
 		g.metrics.request(name, outcomeRejected)
