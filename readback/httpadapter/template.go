@@ -230,11 +230,16 @@ func scalarString(v any) (string, error) {
 // one: "acme%2Fwidgets" is read at "acme%2Fwidgets", never at
 // "acme%252Fwidgets" (whose 404 a delete would take for an absence). Only
 // what a path cannot hold as it is gets escaped: a '%' that starts no
-// escape, and any byte outside RFC 3986's pchar, '?' and '#' among them, so
-// the target never adds a query parameter or a fragment. A "." or ".."
-// segment, also escaped ("%2e%2e"), which would name another resource, is
-// refused.
+// escape, and any other byte outside RFC 3986's pchar. A target holding a
+// query or a fragment ('?', '#': the gateway records a call's query in its
+// target) is refused: read as a path it names another resource (a 404, an
+// absence to a delete), and its parameters must never reach a search (a
+// filter the configuration did not set finds nothing). So is a "." or ".."
+// segment, also escaped ("%2e%2e"), which would name another resource.
 func escapeTarget(target string) (string, error) {
+	if i := strings.IndexAny(target, "?#"); i >= 0 {
+		return "", fmt.Errorf("{receipt.target} %q holds a query or a fragment (%q): it is not a path that can be read as recorded", target, target[i])
+	}
 	segs := strings.Split(target, "/")
 	for i, seg := range segs {
 		seg = escapePathSegment(seg)
