@@ -62,6 +62,9 @@ type searchYAML struct {
 	Pagination      *paginationYAML   `yaml:"pagination"`
 	// MaxPageItems bounds the items of one page (default 1000).
 	MaxPageItems int `yaml:"max_page_items"`
+	// Batch declares that the list, read over a time window without the
+	// key filter, answers many receipts at once (batch.go).
+	Batch *batchYAML `yaml:"batch"`
 }
 
 type paginationYAML struct {
@@ -171,6 +174,8 @@ type searchConfig struct {
 	// filter: the search checks that every item returned carries the
 	// marker before relying on it).
 	narrowed bool
+	// batch is the shared read of many receipts, nil when not declared.
+	batch *batchConfig
 }
 
 type fetchConfig struct {
@@ -616,7 +621,7 @@ func (c *config) compileSearch(s settingsYAML) error {
 		}
 		c.fp = fc
 	}
-	return nil
+	return c.compileBatch(sy.Batch)
 }
 
 // pairs compiles a payload-pointer -> resource-pointer map in a stable order.
