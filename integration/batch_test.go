@@ -286,7 +286,7 @@ func settleWorld(t *testing.T, truth batchTruth, batch bool) ([]string, *listAPI
 		if round > 400 {
 			t.Fatal("receipts still unsettled after 400 rounds")
 		}
-		clk.Advance(250 * time.Millisecond)
+		clk.Advance(500 * time.Millisecond)
 		if _, err := pool.Drain(ctx); err != nil {
 			t.Fatal(err)
 		}

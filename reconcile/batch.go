@@ -67,12 +67,13 @@ func (s *session) batcherOf(c Claimed) (*readback.Binding, readback.Batcher, boo
 }
 
 // dispatch hands claimed rows to the workers, except the rows read in
-// batches, which join their group. more says the claim loop claims again
-// at once: idle groups then wait for those rows too, unless the room for
-// rows in flight is running out (the claim loop would wait for it).
+// batches, which join their group, and starts the reads of the groups
+// waiting for none. more says the claim loop claims again at once: idle
+// groups then wait for those rows too, unless the room for rows in flight
+// is running out (the claim loop would wait for it). It is called after
+// every claim, even one that found nothing.
 func (s *session) dispatch(rows []Claimed, more bool) {
 	cfg := s.p.cfg
-	grouped := false
 	for _, c := range rows {
 		b, bt, ok := s.batcherOf(c)
 		if !ok {
@@ -94,9 +95,8 @@ func (s *session) dispatch(rows []Claimed, more bool) {
 		}
 		g.pending = append(g.pending, c)
 		s.batch.mu.Unlock()
-		grouped = true
 	}
-	if grouped && (!more || int64(cfg.MaxInFlight)-s.inflight.Load() < int64(cfg.BatchSize)) {
+	if !more || int64(cfg.MaxInFlight)-s.inflight.Load() < int64(cfg.BatchSize) {
 		s.startGroups()
 	}
 }

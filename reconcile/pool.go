@@ -641,8 +641,8 @@ func (s *session) claimLoop(once bool, wake <-chan struct{}) error {
 			s.mu.Lock()
 			s.summary.Claimed += len(rows)
 			s.mu.Unlock()
-			s.dispatch(rows, len(rows)+refused == limit)
 		}
+		s.dispatch(rows, len(rows)+refused == limit)
 		if len(rows)+refused == limit {
 			// Maybe more due: the receipts whose claim was refused are
 			// left out of the next claim, so it takes the rows behind.

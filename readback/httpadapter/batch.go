@@ -89,13 +89,16 @@ func (c *config) compileBatch(b *batchYAML) error {
 	return nil
 }
 
-// MaxBatch implements readback.Batcher: search.batch.max_receipts, or 0
-// when the block declares no batch (fetch blocks never do).
+// MaxBatch implements readback.Batcher: search.batch.max_receipts or
+// fetch.batch.max_receipts, or 0 when the block declares no batch.
 func (a *Adapter) MaxBatch() int {
-	if a.cfg.search == nil || a.cfg.search.batch == nil {
-		return 0
+	switch {
+	case a.cfg.search != nil && a.cfg.search.batch != nil:
+		return a.cfg.search.batch.max
+	case a.cfg.fetch != nil && a.cfg.fetch.batch != nil:
+		return a.cfg.fetch.batch.max
 	}
-	return a.cfg.search.batch.max
+	return 0
 }
 
 // member is one receipt of a shared read, and what the read found for it.
@@ -118,7 +121,9 @@ type member struct {
 	err           error
 }
 
-// CheckBatch implements readback.Batcher: it reads the list once over the
+// CheckBatch implements readback.Batcher. A fetch block fetches the
+// receipts' resources by id in one request (fetchBatch). A search block
+// reads the list once over the
 // union of the receipts' windows and decides each receipt from the same
 // pages by its own marker or fingerprint and its own window, with the
 // authority rules of search: a cursor list read to has_more false, a
@@ -130,7 +135,10 @@ type member struct {
 // narrow further is answered Alone, for its own Check.
 func (a *Adapter) CheckBatch(ctx context.Context, read readback.SharedRead, rs []readback.Receipt) ([]readback.Answer, error) {
 	if a.MaxBatch() == 0 {
-		return nil, readback.PermanentError(fmt.Errorf("adapter %s declares no search.batch", a.cfg.name))
+		return nil, readback.PermanentError(fmt.Errorf("adapter %s declares no search.batch or fetch.batch", a.cfg.name))
+	}
+	if a.cfg.fetch != nil {
+		return a.fetchBatch(ctx, read, rs), nil
 	}
 	answers := make([]readback.Answer, len(rs))
 	ms := make([]*member, 0, len(rs))

@@ -4,6 +4,8 @@ import (
 	"context"
 	"fmt"
 	"math/rand/v2"
+	"net/http"
+	"net/http/httptest"
 	"net/url"
 	"slices"
 	"strings"
@@ -149,11 +151,101 @@ func TestBatchConfigRefusals(t *testing.T) {
   batch: {}`, "search.batch"},
 		{"max receipts", `search:
   batch: {max_receipts: -1}`, "search.batch.max_receipts"},
+		{"fetch path names the receipt", `fetch:
+  id: /id
+  batch: {path: "/items/{receipt.external_id}", items: /data}`, "fetch.batch.path"},
+		{"fetch without items", `fetch:
+  id: /id
+  batch: {path: /items}`, "fetch.batch.items"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			_, err := load(t, adapterFile("create", "rest", "https://api.example.com", tc.extra))
+			kind, preset := "create", "rest"
+			if strings.HasPrefix(tc.extra, "fetch") {
+				kind, preset = "delete", ""
+			}
+			_, err := load(t, adapterFile(kind, preset, "https://api.example.com", tc.extra))
 			if err == nil || !strings.Contains(err.Error(), tc.field) {
 				t.Fatalf("want an error naming %s, got %v", tc.field, err)
+			}
+		})
+	}
+}
+
+// A fetch block declaring fetch.batch fetches many resources by id in one
+// request and answers each receipt as its own fetch does: an update whose
+// resource holds the intended fields, the pre-image or neither, or is
+// gone, and a delete whose resource is still there or gone. A receipt
+// without an external id is left to its own fetch.
+func TestFetchBatchAnswersAsCheck(t *testing.T) {
+	resources := map[string]map[string]any{
+		"a": {"id": "a", "title": "new"}, // updated
+		"b": {"id": "b", "title": "old"}, // untouched
+		"c": {"id": "c", "title": "???"}, // someone else's change
+		// d is gone
+	}
+	var requests []string
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		requests = append(requests, r.URL.RequestURI())
+		if id, ok := strings.CutPrefix(r.URL.Path, "/items/"); ok {
+			if res, ok := resources[id]; ok {
+				writeJSON(w, http.StatusOK, res)
+				return
+			}
+			writeJSON(w, http.StatusNotFound, map[string]any{"error": "not found"})
+			return
+		}
+		var data []map[string]any
+		for _, id := range strings.Split(r.URL.Query().Get("ids"), ",") {
+			if res, ok := resources[id]; ok {
+				data = append(data, res)
+			}
+		}
+		writeJSON(w, http.StatusOK, map[string]any{"data": append([]map[string]any{}, data...)})
+	}))
+	t.Cleanup(srv.Close)
+	for _, kind := range []string{"update", "delete"} {
+		t.Run(kind, func(t *testing.T) {
+			extra := `fetch:
+  path: "/items/{receipt.external_id}"
+  id: /id
+  batch: {path: /items, items: /data, max_receipts: 2}
+`
+			if kind == "update" {
+				extra += "compare: {fields: {/title: /title}}\n"
+			}
+			a := mustLoad(t, adapterFile(kind, "", srv.URL, extra))
+			bt := a.(readback.Batcher)
+			var rs []readback.Receipt
+			for i, id := range []string{"a", "b", "c", "d", ""} {
+				rs = append(rs, readback.Receipt{ID: int64(i + 1), IdempotencyKey: "k-" + id, Operation: "items." + kind,
+					Dependency: "api", Method: "PATCH", Target: "/items/" + id, ExternalID: id, SubmittedAt: testNow,
+					Intent: []byte(`{"method":"PATCH","target":"/items/x","payload":{"title":"new"}}`), PreImage: []byte(`{"title":"old"}`)})
+			}
+			requests = nil
+			answers, err := bt.CheckBatch(context.Background(), readback.SharedRead{ID: "r"}, rs)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if len(requests) != 2 {
+				t.Fatalf("%d requests for 4 ids, 2 to a request: %v", len(requests), requests)
+			}
+			for i, r := range rs {
+				got := answers[i]
+				if r.ExternalID == "" {
+					if !got.Alone {
+						t.Fatalf("receipt without an external id: %+v, want Alone", got)
+					}
+					continue
+				}
+				want, werr := a.Check(context.Background(), r)
+				if werr != nil || got.Err != nil {
+					t.Fatalf("receipt %s: Check error %v, batch error %v", r.ExternalID, werr, got.Err)
+				}
+				if got.Result.Verdict != want.Verdict || got.Result.Authoritative != want.Authoritative ||
+					!slices.Equal(got.Result.ExternalIDs, want.ExternalIDs) {
+					t.Errorf("receipt %s: batch %s %v %v, Check %s %v %v", r.ExternalID, got.Result.Verdict,
+						got.Result.Authoritative, got.Result.ExternalIDs, want.Verdict, want.Authoritative, want.ExternalIDs)
+				}
 			}
 		})
 	}

@@ -95,6 +95,9 @@ type fetchYAML struct {
 	Query  map[string]string `yaml:"query"`
 	ID     string            `yaml:"id"`
 	Gone   []int             `yaml:"gone"`
+	// Batch declares a fetch of many resources by id in one request
+	// (batchfetch.go).
+	Batch *fetchBatchYAML `yaml:"batch"`
 }
 
 type matchYAML struct {
@@ -184,6 +187,8 @@ type fetchConfig struct {
 	query  map[string]template
 	id     pointer
 	gone   []int
+	// batch is the fetch of many resources at once, nil when not declared.
+	batch *fetchBatchConfig
 }
 
 type markerConfig struct {
@@ -797,7 +802,7 @@ func (c *config) compileFetch(s settingsYAML) error {
 		}
 	}
 	c.fetch = fc
-	return nil
+	return c.compileFetchBatch(fy.Batch)
 }
 
 // kinds returns the operation kinds this configuration can read back.
