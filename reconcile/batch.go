@@ -155,10 +155,10 @@ func (s *session) emit(o Outcome) {
 	s.signalSpace()
 }
 
-// SharedRead is what each receipt's check record says of the shared read
+// SharedReadEvidence is what each receipt's check record says of the shared read
 // that answered it (under "shared_read" in its evidence): every receipt
 // the read answered records the same id.
-type SharedRead struct {
+type SharedReadEvidence struct {
 	ID string `json:"id"`
 	// Receipts is how many receipts the read was made for.
 	Receipts int `json:"receipts"`
@@ -192,7 +192,7 @@ func (s *session) readBatch(b *readback.Binding, bt readback.Batcher, rows []Cla
 	}
 	ctx, cancel := context.WithTimeout(s.work, cfg.CheckTimeout)
 	readAt := cfg.Now()
-	note := SharedRead{ID: fmt.Sprintf("%s:%d:%d", cfg.Instance, readAt.UnixNano(), s.batch.seq.Add(1)),
+	note := SharedReadEvidence{ID: fmt.Sprintf("%s:%d:%d", cfg.Instance, readAt.UnixNano(), s.batch.seq.Add(1)),
 		Receipts: len(live), BeganAt: readAt}
 	read := readback.SharedRead{ID: note.ID, Call: s.gateCall(ctx, b)}
 	start := time.Now()
@@ -345,7 +345,7 @@ func safeBatch(ctx context.Context, bt readback.Batcher, read readback.SharedRea
 // withSharedRead returns the adapter's evidence with the shared read it
 // came from under "shared_read": the fields of an evidence object are
 // kept as they are; anything else is kept under "adapter_evidence".
-func withSharedRead(ev any, n SharedRead) any {
+func withSharedRead(ev any, n SharedReadEvidence) any {
 	fields := map[string]json.RawMessage{}
 	if ev != nil {
 		if b, err := json.Marshal(ev); err == nil {

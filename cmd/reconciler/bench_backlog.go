@@ -258,8 +258,11 @@ func (r backlogRun) wave(ctx context.Context, api *backlogAPI, dep, name string,
 					Dependency: dep, Method: "POST", Target: "/items", Payload: payload, MaxSendDelay: r.sendDelay()})
 				if err == nil {
 					if i%2 == 0 {
+						// The effect happens within the declared bounds of
+						// the submission the database recorded, whatever
+						// this goroutine's own delays.
 						api.add(backlogItem{id: "item-" + key, marker: key,
-							created: time.Now().Add(time.Duration(rand.Int64N(int64(r.effect()))))})
+							created: rc.SubmittedAt.Add(time.Duration(rand.Int64N(int64(r.effect()))))})
 					}
 					rc, err = r.agent.MarkUnknown(ctx, rc, ledger.Detail{Reason: "bench: the answer was lost"})
 				}
