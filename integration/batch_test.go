@@ -379,3 +379,71 @@ func TestBatchedAndPerReceiptReadsSettleAlike(t *testing.T) {
 		})
 	}
 }
+
+// A shared read answers every receipt of its group, but an absence counts
+// only for the receipts whose absence window had closed when the read
+// began (SPEC §5a): one whose window closes while the read is under way
+// settles nothing from it, and settles from the next read.
+func TestSharedReadSettlesNoAbsenceWhoseWindowClosedMidRead(t *testing.T) {
+	ctx := context.Background()
+	db := pgtest.NewPool(t)
+	agent, err := ledger.New(db, "agent:test")
+	if err != nil {
+		t.Fatal(err)
+	}
+	clk := newClock()
+	api := newListAPI(t, clk, time.Second) // each request takes a second
+	start := clk.Now()
+	api.add(listItem{id: "control", marker: "bootstrap:shop:items.create", created: start.Add(-50 * time.Second),
+		visible: start.Add(-50 * time.Second)})
+	var ids []int64
+	// Absence windows (5 s send delay, 1 s lifetime, 2 s window) closed
+	// 12 s before the read, and closing half a second into it.
+	for i, back := range []time.Duration{20 * time.Second, 7500 * time.Millisecond} {
+		r, err := agent.PlanAndSubmit(ctx, ledger.Intent{IdempotencyKey: fmt.Sprintf("mid-%d", i), Operation: "items.create",
+			Dependency: "shop", Method: "POST", Target: "/items", Payload: json.RawMessage(fmt.Sprintf(`{"n":%d}`, i))})
+		if err == nil {
+			r, err = agent.MarkUnknown(ctx, r, ledger.Detail{Reason: "the answer was lost"})
+		}
+		if err != nil {
+			t.Fatal(err)
+		}
+		shiftSubmission(t, db, []int64{r.ID}, back+time.Since(start))
+		ids = append(ids, r.ID)
+	}
+	file := filepath.Join(t.TempDir(), "adapters.yaml")
+	if err := os.WriteFile(file, []byte(batchAdapters(api.srv.URL, start.Add(-50*time.Second), true)), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	reg, err := httpadapter.LoadFile(file, nil, httpadapter.WithClock(clk.Now))
+	if err != nil {
+		t.Fatal(err)
+	}
+	pool := newPool(t, db, reconcile.Config{Registry: reg, Now: clk.Now, OrphanTimeout: -1})
+	if _, err := pool.Drain(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if st := receipt(t, db, ids[0]).State; st != "safe_to_retry" {
+		t.Fatalf("the receipt whose window had closed: %s, want safe_to_retry", st)
+	}
+	if st := receipt(t, db, ids[1]).State; st != "reconciling" {
+		t.Fatalf("the receipt whose window closed mid-read: %s, want reconciling (checked, not settled)", st)
+	}
+	var reads int
+	if err := db.QueryRow(ctx, `SELECT count(DISTINCT evidence #>> '{shared_read,id}') FROM reconciler.readback_checks
+		WHERE receipt_id = ANY($1) AND verdict = 'absent'`, ids).Scan(&reads); err != nil {
+		t.Fatal(err)
+	}
+	if reads != 1 || checkCount(t, db, ids[1]) != 1 {
+		t.Fatalf("%d shared reads answered the two receipts, want one (and one check of the second)", reads)
+	}
+	for round := 0; receipt(t, db, ids[1]).State != "safe_to_retry"; round++ {
+		if round > 20 {
+			t.Fatalf("the second receipt is %s after 20 rounds", receipt(t, db, ids[1]).State)
+		}
+		clk.Advance(time.Second)
+		if _, err := pool.Drain(ctx); err != nil {
+			t.Fatal(err)
+		}
+	}
+}
