@@ -44,13 +44,13 @@ func benchBacklogCommand() *cli.Command {
 		Description: "Runs the real reconcile.Pool, with the declarative http adapter and the dependency's " +
 			"protection (rate limit --api-rate), against an in-process fake API that knows the truth, " +
 			"enforces the same rate limit (429 beyond it) and lists an effect --lag after it happened, in a " +
-			"scratch database. Agents submit --unknowns receipts as fast as they can, half of which took " +
-			"effect, and lose every answer; the pool settles them. A warm-up wave first lets the pool learn " +
-			"the lag. Strategy per_receipt reads each receipt with a search narrowed to its key (the adapter " +
+			"scratch database. A warm-up wave first lets the pool learn the lag. Then, while nothing reads (the " +
+			"API was down), agents submit --unknowns receipts as fast as they can, half of which took effect, " +
+			"and lose every answer; the pool starts again and drains them. Strategy per_receipt reads each receipt with a search narrowed to its key (the adapter " +
 			"without search.batch); strategy batched declares search.batch, so one list over a time window " +
 			"answers many receipts. Per receipt, a large backlog would take hours at a low rate: that " +
 			"strategy reads at most --per-receipt-max receipts (unknowns= says how many). Prints one line " +
-			"per strategy: drain_s (first submission to last settlement), reads (requests to the API, " +
+			"per strategy: drain_s (from the moment the pool reads again to the last settlement), reads (requests to the API, " +
 			"throttled ones included), reads_per_receipt, p50_s and p95_s from submission to settlement, " +
 			"false (a receipt that took effect settled safe_to_retry, or one that did not settled succeeded) " +
 			"and manual (receipts left to manual_review).",
@@ -211,36 +211,58 @@ func (r backlogRun) run(ctx context.Context, n int) (backlogResult, error) {
 	if err != nil {
 		return backlogResult{}, err
 	}
-	pool, err := reconcile.New(r.db, reconcile.Config{
-		Instance: "bench-" + r.strategy, Registry: reg, Gate: reconcile.ProtectGate(guard),
-		Logger: slog.New(slog.DiscardHandler), BatchSize: 4000, CheckTimeout: 2 * time.Minute,
-		PollInterval: 500 * time.Millisecond, GracePeriod: time.Second,
-	})
+	// The schedule outlives the pools: what the warm-up taught it (the
+	// lag) is what the reconciler knows when the backlog drains.
+	sched := &reconcile.LearnedLag{}
+	start := func() (stop func(), err error) {
+		pool, err := reconcile.New(r.db, reconcile.Config{
+			Instance: "bench-" + r.strategy, Registry: reg, Gate: reconcile.ProtectGate(guard), Schedule: sched,
+			Logger: slog.New(slog.DiscardHandler), BatchSize: 4000, CheckTimeout: 2 * time.Minute,
+			PollInterval: 500 * time.Millisecond, GracePeriod: time.Second,
+		})
+		if err != nil {
+			return nil, err
+		}
+		runCtx, cancel := context.WithCancel(ctx)
+		done := make(chan error, 1)
+		go func() { _, err := pool.Run(runCtx); done <- err }()
+		return func() { cancel(); <-done }, nil
+	}
+	stop, err := start()
 	if err != nil {
 		return backlogResult{}, err
 	}
-	runCtx, stop := context.WithCancel(ctx)
-	done := make(chan error, 1)
-	go func() { _, err := pool.Run(runCtx); done <- err }()
-	defer func() { stop(); <-done }()
-
-	if _, err := r.wave(ctx, api, dep, "warmup", backlogWarmup); err != nil {
-		return backlogResult{}, err
+	ids, err := r.submit(ctx, api, dep, "warmup", backlogWarmup)
+	if err == nil {
+		err = r.waitSettled(ctx, ids, "warmup")
 	}
-	before := api.reads.Load()
-	ids, err := r.wave(ctx, api, dep, "wave", n)
+	stop()
 	if err != nil {
 		return backlogResult{}, err
 	}
-	res, err := r.measure(ctx, api, ids)
+	// The backlog piles up while nothing reads (the API was down), then
+	// drains from the moment the reconciler reads again.
+	if ids, err = r.submit(ctx, api, dep, "wave", n); err != nil {
+		return backlogResult{}, err
+	}
+	before, began := api.reads.Load(), time.Now()
+	if stop, err = start(); err != nil {
+		return backlogResult{}, err
+	}
+	err = r.waitSettled(ctx, ids, "wave")
+	stop()
+	if err != nil {
+		return backlogResult{}, err
+	}
+	res, err := r.measure(ctx, api, ids, began)
 	res.reads = api.reads.Load() - before
 	res.rejected = int(api.throttled.Load())
 	return res, err
 }
 
-// wave has agents submit n receipts at once (32 at a time), half of which
-// take effect, each losing its answer, and waits until all are settled.
-func (r backlogRun) wave(ctx context.Context, api *backlogAPI, dep, name string, n int) ([]int64, error) {
+// submit has agents submit n receipts at once (32 at a time), half of
+// which take effect, each losing its answer.
+func (r backlogRun) submit(ctx context.Context, api *backlogAPI, dep, name string, n int) ([]int64, error) {
 	ids := make([]int64, n)
 	errs := make([]error, n)
 	next := atomic.Int64{}
@@ -275,31 +297,36 @@ func (r backlogRun) wave(ctx context.Context, api *backlogAPI, dep, name string,
 		})
 	}
 	wg.Wait()
-	if err := errors.Join(errs...); err != nil {
-		return nil, err
-	}
+	return ids, errors.Join(errs...)
+}
+
+// waitSettled polls until every receipt of ids is settled: a bench may
+// wait on a condition this way; it asserts nothing about time.
+func (r backlogRun) waitSettled(ctx context.Context, ids []int64, name string) error {
+	n := len(ids)
 	limit := time.Now().Add(30*time.Minute + 100*r.lag)
 	for {
 		var settled int
 		if err := r.db.QueryRow(ctx, sqlWaveSettled, ids).Scan(&settled); err != nil {
-			return nil, err
+			return err
 		}
 		if settled == n {
-			return ids, nil
+			return nil
 		}
 		if time.Now().After(limit) {
-			return nil, fmt.Errorf("%s: %d of %d receipts settled", name, settled, n)
+			return fmt.Errorf("%s: %d of %d receipts settled", name, settled, n)
 		}
 		select {
 		case <-ctx.Done():
-			return nil, ctx.Err()
+			return ctx.Err()
 		case <-time.After(50 * time.Millisecond):
 		}
 	}
 }
 
-// measure reads the wave's settlements and compares them with the truth.
-func (r backlogRun) measure(ctx context.Context, api *backlogAPI, ids []int64) (backlogResult, error) {
+// measure reads the wave's settlements and compares them with the truth;
+// the drain is timed from began, when the reconciler started reading it.
+func (r backlogRun) measure(ctx context.Context, api *backlogAPI, ids []int64, began time.Time) (backlogResult, error) {
 	res := backlogResult{unknowns: len(ids)}
 	rows, err := r.db.Query(ctx, sqlBacklogTimes, ids)
 	if err != nil {
@@ -307,15 +334,12 @@ func (r backlogRun) measure(ctx context.Context, api *backlogAPI, ids []int64) (
 	}
 	defer rows.Close()
 	var times []time.Duration
-	first, last := 0.0, 0.0
+	last := 0.0
 	for rows.Next() {
 		var key, state string
 		var sub, at float64
 		if err := rows.Scan(&key, &state, &sub, &at); err != nil {
 			return res, err
-		}
-		if first == 0 || sub < first {
-			first = sub
 		}
 		last = max(last, at)
 		times = append(times, time.Duration((at-sub)*float64(time.Second)))
@@ -335,7 +359,7 @@ func (r backlogRun) measure(ctx context.Context, api *backlogAPI, ids []int64) (
 	}
 	slices.Sort(times)
 	res.p50, res.p95 = times[len(times)/2], times[(len(times)*95+99)/100-1]
-	res.drain = time.Duration((last - first) * float64(time.Second))
+	res.drain = time.Duration((last - float64(began.UnixNano())/1e9) * float64(time.Second))
 	return res, nil
 }
 
