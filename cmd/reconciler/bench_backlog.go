@@ -44,13 +44,13 @@ func benchBacklogCommand() *cli.Command {
 		Description: "Runs the real reconcile.Pool, with the declarative http adapter and the dependency's " +
 			"protection (rate limit --api-rate), against an in-process fake API that knows the truth, " +
 			"enforces the same rate limit (429 beyond it) and lists an effect --lag after it happened, in a " +
-			"scratch database. A warm-up wave first lets the pool learn the lag. Then, while nothing reads (the " +
-			"API was down), agents submit --unknowns receipts as fast as they can, half of which took effect, " +
-			"and lose every answer; the pool starts again and drains them. Strategy per_receipt reads each receipt with a search narrowed to its key (the adapter " +
+			"scratch database. A warm-up wave first lets the pool learn the lag and pass its positive control. " +
+			"Then agents submit --unknowns receipts as fast as they can, half of which took effect, and once " +
+			"all are submitted record every answer lost: the backlog appears at once, and the pool drains it. Strategy per_receipt reads each receipt with a search narrowed to its key (the adapter " +
 			"without search.batch); strategy batched declares search.batch, so one list over a time window " +
 			"answers many receipts. Per receipt, a large backlog would take hours at a low rate: that " +
 			"strategy reads at most --per-receipt-max receipts (unknowns= says how many). Prints one line " +
-			"per strategy: drain_s (from the moment the pool reads again to the last settlement), reads (requests to the API, " +
+			"per strategy: drain_s (from the first answer recorded lost to the last settlement), reads (requests to the API, " +
 			"throttled ones included), reads_per_receipt, p50_s and p95_s from submission to settlement, " +
 			"false (a receipt that took effect settled safe_to_retry, or one that did not settled succeeded) " +
 			"and manual (receipts left to manual_review).",
@@ -211,46 +211,33 @@ func (r backlogRun) run(ctx context.Context, n int) (backlogResult, error) {
 	if err != nil {
 		return backlogResult{}, err
 	}
-	// The schedule outlives the pools: what the warm-up taught it (the
-	// lag) is what the reconciler knows when the backlog drains.
-	sched := &reconcile.LearnedLag{}
-	start := func() (stop func(), err error) {
-		pool, err := reconcile.New(r.db, reconcile.Config{
-			Instance: "bench-" + r.strategy, Registry: reg, Gate: reconcile.ProtectGate(guard), Schedule: sched,
-			Logger: slog.New(slog.DiscardHandler), BatchSize: 4000, CheckTimeout: 2 * time.Minute,
-			PollInterval: 500 * time.Millisecond, GracePeriod: time.Second,
-		})
-		if err != nil {
-			return nil, err
-		}
-		runCtx, cancel := context.WithCancel(ctx)
-		done := make(chan error, 1)
-		go func() { _, err := pool.Run(runCtx); done <- err }()
-		return func() { cancel(); <-done }, nil
-	}
-	stop, err := start()
+	pool, err := reconcile.New(r.db, reconcile.Config{
+		Instance: "bench-" + r.strategy, Registry: reg, Gate: reconcile.ProtectGate(guard),
+		Logger: slog.New(slog.DiscardHandler), BatchSize: 4000, CheckTimeout: 2 * time.Minute,
+		PollInterval: 500 * time.Millisecond, GracePeriod: time.Second,
+	})
 	if err != nil {
 		return backlogResult{}, err
 	}
-	ids, err := r.submit(ctx, api, dep, "warmup", backlogWarmup)
+	runCtx, stop := context.WithCancel(ctx)
+	done := make(chan error, 1)
+	go func() { _, err := pool.Run(runCtx); done <- err }()
+	defer func() { stop(); <-done }()
+
+	// The warm-up lets the pool learn the lag and pass its positive
+	// control, as a running daemon has.
+	ids, _, err := r.submit(ctx, api, dep, "warmup", backlogWarmup)
 	if err == nil {
 		err = r.waitSettled(ctx, ids, "warmup")
 	}
-	stop()
 	if err != nil {
 		return backlogResult{}, err
 	}
-	// The backlog piles up while nothing reads (the API was down), then
-	// drains from the moment the reconciler reads again.
-	if ids, err = r.submit(ctx, api, dep, "wave", n); err != nil {
-		return backlogResult{}, err
+	before := api.reads.Load()
+	ids, began, err := r.submit(ctx, api, dep, "wave", n)
+	if err == nil {
+		err = r.waitSettled(ctx, ids, "wave")
 	}
-	before, began := api.reads.Load(), time.Now()
-	if stop, err = start(); err != nil {
-		return backlogResult{}, err
-	}
-	err = r.waitSettled(ctx, ids, "wave")
-	stop()
 	if err != nil {
 		return backlogResult{}, err
 	}
@@ -261,43 +248,58 @@ func (r backlogRun) run(ctx context.Context, n int) (backlogResult, error) {
 }
 
 // submit has agents submit n receipts at once (32 at a time), half of
-// which take effect, each losing its answer.
-func (r backlogRun) submit(ctx context.Context, api *backlogAPI, dep, name string, n int) ([]int64, error) {
+// which take effect, and then, once all are submitted, record each answer
+// lost (outcome_unknown) as fast as they can: the backlog appears at once.
+// It returns the receipts' ids and when the first answer was recorded lost.
+func (r backlogRun) submit(ctx context.Context, api *backlogAPI, dep, name string, n int) ([]int64, time.Time, error) {
+	rcs := make([]*ledger.Receipt, n)
+	err := parallel(n, func(i int) error {
+		key := fmt.Sprintf("%s-%s-%d", dep, name, i)
+		payload, _ := json.Marshal(map[string]any{"title": key})
+		rc, err := r.agent.PlanAndSubmit(ctx, ledger.Intent{IdempotencyKey: key, Operation: "items.create",
+			Dependency: dep, Method: "POST", Target: "/items", Payload: payload, MaxSendDelay: r.sendDelay()})
+		if err != nil {
+			return err
+		}
+		if i%2 == 0 {
+			// The effect happens within the declared bounds of the
+			// submission the database recorded, whatever this goroutine's
+			// own delays.
+			api.add(backlogItem{id: "item-" + key, marker: key,
+				created: rc.SubmittedAt.Add(time.Duration(rand.Int64N(int64(r.effect()))))})
+		}
+		rcs[i] = rc
+		return nil
+	})
+	if err != nil {
+		return nil, time.Time{}, err
+	}
 	ids := make([]int64, n)
+	began := time.Now()
+	err = parallel(n, func(i int) error {
+		rc, err := r.agent.MarkUnknown(ctx, rcs[i], ledger.Detail{Reason: "bench: the answer was lost"})
+		if err == nil {
+			ids[i] = rc.ID
+		}
+		return err
+	})
+	return ids, began, err
+}
+
+// parallel runs f for 0..n-1, 32 at a time, and joins their errors.
+func parallel(n int, f func(i int) error) error {
 	errs := make([]error, n)
-	next := atomic.Int64{}
+	var next atomic.Int64
 	var wg sync.WaitGroup
 	for range 32 {
 		wg.Go(func() {
-			for {
-				i := int(next.Add(1)) - 1
-				if i >= n {
-					return
-				}
-				key := fmt.Sprintf("%s-%s-%d", dep, name, i)
-				payload, _ := json.Marshal(map[string]any{"title": key})
-				rc, err := r.agent.PlanAndSubmit(ctx, ledger.Intent{IdempotencyKey: key, Operation: "items.create",
-					Dependency: dep, Method: "POST", Target: "/items", Payload: payload, MaxSendDelay: r.sendDelay()})
-				if err == nil {
-					if i%2 == 0 {
-						// The effect happens within the declared bounds of
-						// the submission the database recorded, whatever
-						// this goroutine's own delays.
-						api.add(backlogItem{id: "item-" + key, marker: key,
-							created: rc.SubmittedAt.Add(time.Duration(rand.Int64N(int64(r.effect()))))})
-					}
-					rc, err = r.agent.MarkUnknown(ctx, rc, ledger.Detail{Reason: "bench: the answer was lost"})
-				}
-				if err != nil {
-					errs[i] = err
-					return
-				}
-				ids[i] = rc.ID
+			for i := int(next.Add(1)) - 1; i < n; i = int(next.Add(1)) - 1 {
+				errs[i] = f(i)
 			}
 		})
 	}
 	wg.Wait()
-	return ids, errors.Join(errs...)
+	return errors.Join(errs...)
 }
 
 // waitSettled polls until every receipt of ids is settled: a bench may
@@ -325,7 +327,7 @@ func (r backlogRun) waitSettled(ctx context.Context, ids []int64, name string) e
 }
 
 // measure reads the wave's settlements and compares them with the truth;
-// the drain is timed from began, when the reconciler started reading it.
+// the drain is timed from began, when the backlog began to appear.
 func (r backlogRun) measure(ctx context.Context, api *backlogAPI, ids []int64, began time.Time) (backlogResult, error) {
 	res := backlogResult{unknowns: len(ids)}
 	rows, err := r.db.Query(ctx, sqlBacklogTimes, ids)
