@@ -406,6 +406,9 @@ type session struct {
 	dueSet map[int64]struct{} // the times in due, as Unix nanoseconds
 	rearm  chan struct{}
 	run    bool
+
+	// batch gathers the rows read in batches (batch.go).
+	batch batches
 }
 
 func (p *Pool) serve(ctx context.Context, once bool) (Summary, error) {
@@ -487,6 +490,7 @@ func (p *Pool) serve(ctx context.Context, once bool) (Summary, error) {
 		defer func() { stopListen(); listener.Wait() }()
 	}
 	err := s.claimLoop(once, wake)
+	s.endBatches()
 
 	close(s.jobs)
 	workers.Wait()
@@ -641,10 +645,8 @@ func (s *session) claimLoop(once bool, wake <-chan struct{}) error {
 			s.mu.Lock()
 			s.summary.Claimed += len(rows)
 			s.mu.Unlock()
-			for _, c := range rows {
-				s.jobs <- c // never blocks: the channel holds MaxInFlight rows
-			}
 		}
+		s.dispatch(rows, len(rows)+refused == limit)
 		if len(rows)+refused == limit {
 			// Maybe more due: the receipts whose claim was refused are
 			// left out of the next claim, so it takes the rows behind.
