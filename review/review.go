@@ -108,6 +108,9 @@ type Filter struct {
 	// Operation and Dependency match exactly when set.
 	Operation  string
 	Dependency string
+	// Reason matches exactly, when set, the reason recorded with the move
+	// that held the receipt (e.g. blind, bound_reached).
+	Reason string
 	// OlderThan keeps receipts held for at least this long.
 	OlderThan time.Duration
 	// Limit caps the number returned; DefaultLimit when zero or negative.
@@ -141,12 +144,8 @@ func List(ctx context.Context, pool *pgxpool.Pool, f Filter) ([]Held, error) {
 	if f.Limit <= 0 {
 		f.Limit = DefaultLimit
 	}
-	var minAge *float64
-	if f.OlderThan > 0 {
-		s := f.OlderThan.Seconds()
-		minAge = &s
-	}
-	rows, err := pool.Query(ctx, sqlList, optional(f.Operation), optional(f.Dependency), minAge, f.Limit)
+	q, args := listQuery(f)
+	rows, err := pool.Query(ctx, q, args)
 	if err != nil {
 		return nil, fmt.Errorf("review: list: %w", err)
 	}
@@ -165,12 +164,47 @@ func List(ctx context.Context, pool *pgxpool.Pool, f Filter) ([]Held, error) {
 	return held, nil
 }
 
-// optional returns s as a nullable text parameter: NULL when empty.
-func optional(s string) *string {
-	if s == "" {
-		return nil
+// Count returns how many receipts held in manual_review match f, whatever
+// f.Limit says.
+func Count(ctx context.Context, pool *pgxpool.Pool, f Filter) (int64, error) {
+	q, args := where(sqlCountHead, f)
+	var n int64
+	if err := pool.QueryRow(ctx, q, args).Scan(&n); err != nil {
+		return 0, fmt.Errorf("review: count: %w", err)
 	}
-	return &s
+	return n, nil
+}
+
+// listQuery is sqlList with only the conditions f sets, and its arguments.
+func listQuery(f Filter) (string, pgx.NamedArgs) {
+	q, args := where(sqlListHead, f)
+	args["limit"] = f.Limit
+	return q + sqlListTail, args
+}
+
+// where appends to head the conditions f sets, and returns their arguments.
+func where(head string, f Filter) (string, pgx.NamedArgs) {
+	var q strings.Builder
+	q.WriteString(head)
+	args := pgx.NamedArgs{}
+	cond := func(sql, name string, v any) {
+		q.WriteString("\n  AND ")
+		q.WriteString(sql)
+		args[name] = v
+	}
+	if f.Operation != "" {
+		cond(sqlListOperation, "operation", f.Operation)
+	}
+	if f.Dependency != "" {
+		cond(sqlListDependency, "dependency", f.Dependency)
+	}
+	if f.Reason != "" {
+		cond(sqlListReason, "reason", f.Reason)
+	}
+	if f.OlderThan > 0 {
+		cond(sqlListMinAge, "min_age_s", f.OlderThan.Seconds())
+	}
+	return q.String(), args
 }
 
 // Receipt is a receipt's current-state projection as Show reports it.

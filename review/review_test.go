@@ -132,10 +132,11 @@ func TestListUsesIndex(t *testing.T) {
 	if _, err := tx.Exec(ctx, `SET LOCAL enable_seqscan = off`); err != nil {
 		t.Fatal(err)
 	}
-	op, dep, age := "x", "y", 60.0
-	for _, args := range [][]any{{nil, nil, nil, 50}, {&op, &dep, &age, 50}} {
+	for _, f := range []Filter{{Limit: 50}, {Operation: "x", Dependency: "y", OlderThan: time.Minute, Limit: 50},
+		{Reason: "blind", Limit: 50}} {
+		q, args := listQuery(f)
 		var plan strings.Builder
-		rows, err := tx.Query(ctx, "EXPLAIN "+sqlList, args...)
+		rows, err := tx.Query(ctx, "EXPLAIN "+q, args)
 		if err != nil {
 			t.Fatal(err)
 		}
