@@ -164,15 +164,23 @@ func List(ctx context.Context, pool *pgxpool.Pool, f Filter) ([]Held, error) {
 	return held, nil
 }
 
-// Count returns how many receipts held in manual_review match f, whatever
-// f.Limit says.
-func Count(ctx context.Context, pool *pgxpool.Pool, f Filter) (int64, error) {
+// Count returns how many receipts held in manual_review match f (whatever
+// f.Limit says), counting at most max of them: when more match, it returns
+// max and more = true. The bound keeps the count's cost that of reading max
+// index entries however many receipts are held; max <= 0 counts them all.
+func Count(ctx context.Context, pool *pgxpool.Pool, f Filter, max int64) (n int64, more bool, err error) {
 	q, args := where(sqlCountHead, f)
-	var n int64
-	if err := pool.QueryRow(ctx, q, args).Scan(&n); err != nil {
-		return 0, fmt.Errorf("review: count: %w", err)
+	if max > 0 {
+		q += sqlCountTail
+		args["max"] = max + 1
 	}
-	return n, nil
+	if err := pool.QueryRow(ctx, sqlCountOuterHead+q+sqlCountOuterTail, args).Scan(&n); err != nil {
+		return 0, false, fmt.Errorf("review: count: %w", err)
+	}
+	if max > 0 && n > max {
+		return max, true, nil
+	}
+	return n, false, nil
 }
 
 // listQuery is sqlList with only the conditions f sets, and its arguments.

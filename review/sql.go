@@ -41,11 +41,20 @@ ORDER BY r.updated_at
 LIMIT @limit`
 )
 
-// sqlCountHead counts held receipts; Count appends the conditions of
-// sqlList that its filter sets (no join: every condition is on receipts).
-const sqlCountHead = `
-SELECT count(*) FROM reconciler.receipts r
+// sqlCountOuterHead, sqlCountHead (with the conditions of sqlList that the
+// filter sets), optionally sqlCountTail, and sqlCountOuterTail count held
+// receipts: with the tail, at most @max of them, so the count stops after
+// @max entries of the index it walks. No join: every condition is on
+// receipts.
+const (
+	sqlCountOuterHead = `SELECT count(*) FROM (`
+	sqlCountHead      = `
+SELECT 1 FROM reconciler.receipts r
 WHERE r.state = 'manual_review'`
+	sqlCountTail = `
+LIMIT @max`
+	sqlCountOuterTail = `) held`
+)
 
 // sqlReceipt reads one receipt's projection. $1 id.
 const sqlReceipt = `

@@ -26,6 +26,7 @@ import (
 	"net/http"
 	"strconv"
 	"strings"
+	"sync"
 	"time"
 
 	"github.com/jackc/pgx/v5/pgconn"
@@ -73,6 +74,9 @@ type Config struct {
 	// `reconciler stats`: planned receipts older than StalePlanned are
 	// stale, submitted ones older than OrphanTimeout orphans.
 	StalePlanned, OrphanTimeout time.Duration
+	// CountsEvery is how often the summary bar and the filters' counts are
+	// read again (see counts); DefaultCountsEvery when zero.
+	CountsEvery time.Duration
 	// SecureCookies marks the session cookie Secure: set it when the page is
 	// served over HTTPS (directly or by the proxy in front).
 	SecureCookies bool
@@ -91,6 +95,13 @@ type Server struct {
 	csrf          *csrf
 	pages         map[string]*template.Template
 	mux           *http.ServeMux
+	countsEvery   time.Duration
+
+	mu      sync.Mutex
+	last    *counts // the counts read last
+	dirty   bool    // a decision was made since
+	reading bool    // a read of the counts is under way in the background
+	wg      sync.WaitGroup
 }
 
 // New returns a Server for cfg.
@@ -114,6 +125,9 @@ func New(cfg Config) (*Server, error) {
 	}
 	if s.now == nil {
 		s.now = time.Now
+	}
+	if s.countsEvery = cfg.CountsEvery; s.countsEvery <= 0 {
+		s.countsEvery = DefaultCountsEvery
 	}
 	for _, page := range []string{"queue", "receipt", "signin", "problem"} {
 		t, err := template.New("layout.html").Funcs(funcs).ParseFS(templateFS, "templates/layout.html", "templates/"+page+".html")
@@ -166,7 +180,7 @@ type page struct {
 	CSRF     string
 	Login    string
 	CanMove  bool
-	Summary  *summary
+	Counts   *counts
 	Message  string
 	Problem  string
 	Body     any
@@ -209,13 +223,13 @@ func (s *Server) render(w http.ResponseWriter, r *http.Request, status int, name
 			s.fail(w, r, err)
 			return
 		}
-		if p.Summary == nil && name != "problem" {
-			sum, err := s.summary(r.Context())
+		if p.Counts == nil && name != "problem" {
+			c, err := s.counts(r.Context())
 			if err != nil {
 				s.fail(w, r, err)
 				return
 			}
-			p.Summary = &sum
+			p.Counts = c
 		}
 	}
 	var b strings.Builder
@@ -256,16 +270,22 @@ func (s *Server) fail(w http.ResponseWriter, r *http.Request, err error) {
 	s.problem(w, r, nil, http.StatusInternalServerError, "The database failed to answer; the error is in the ui's log.")
 }
 
+// MaxCount is the most receipts the queue counts as matching a filter;
+// past it, the page says "more than".
+const MaxCount = 1000
+
 // queueBody is the queue page's content.
 type queueBody struct {
-	Filter  review.Filter
-	Age     string
-	Ages    []struct{ Value, Label string }
-	Held    []review.Held
-	Total   int64
-	Matches int64
-	Facets  facets
-	Limit   int
+	Filter review.Filter
+	Age    string
+	Ages   []struct{ Value, Label string }
+	Held   []review.Held
+	// Filtered is whether any filter is set; Matches counts the receipts
+	// that match it, at most MaxCount (More: more match).
+	Filtered bool
+	Matches  int64
+	More     bool
+	Limit    int
 }
 
 func (s *Server) queue(w http.ResponseWriter, r *http.Request, id Identity) {
@@ -290,27 +310,25 @@ func (s *Server) queue(w http.ResponseWriter, r *http.Request, id Identity) {
 		f.Limit = n
 	}
 	body.Filter, body.Limit = f, f.Limit
+	body.Filtered = f.Dependency != "" || f.Operation != "" || f.Reason != "" || f.OlderThan > 0
 	ctx := r.Context()
 	var err error
 	if body.Held, err = review.List(ctx, s.pool, f); err != nil {
 		s.fail(w, r, err)
 		return
 	}
-	if body.Matches, err = review.Count(ctx, s.pool, f); err != nil {
-		s.fail(w, r, err)
-		return
+	if body.Filtered {
+		if body.Matches, body.More, err = review.Count(ctx, s.pool, f, MaxCount); err != nil {
+			s.fail(w, r, err)
+			return
+		}
 	}
-	if body.Facets, err = s.facets(ctx); err != nil {
-		s.fail(w, r, err)
-		return
-	}
-	sum, err := s.summary(ctx)
+	c, err := s.counts(ctx)
 	if err != nil {
 		s.fail(w, r, err)
 		return
 	}
-	body.Total = sum.Backlog.ManualReview
-	s.render(w, r, http.StatusOK, "queue", &id, page{Title: "Review queue", Summary: &sum, Body: body})
+	s.render(w, r, http.StatusOK, "queue", &id, page{Title: "Review queue", Counts: c, Body: body})
 }
 
 // receiptBody is the receipt page's content.
@@ -382,6 +400,7 @@ func (s *Server) decide(w http.ResponseWriter, r *http.Request, id Identity) {
 	var pg *pgconn.PgError
 	switch {
 	case err == nil:
+		s.countsChanged()
 		s.log.Info("ui: decided", "reviewer", id.Reviewer, "receipt", rid, "decision", form.Decision)
 		http.Redirect(w, r, fmt.Sprintf("/receipts/%d?decided=1", rid), http.StatusSeeOther)
 	case errors.Is(err, review.ErrReasonRequired):
