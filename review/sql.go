@@ -44,14 +44,18 @@ LIMIT @limit`
 // sqlCountOuterHead, sqlCountHead (with the conditions of sqlList that the
 // filter sets), optionally sqlCountTail, and sqlCountOuterTail count held
 // receipts: with the tail, at most @max of them, so the count stops after
-// @max entries of the index it walks. No join: every condition is on
-// receipts.
+// @max entries of the index it walks. The tail orders by updated_at, as the
+// list does, so the planner walks the same partial index in order rather
+// than a sequential scan it expects to stop early: held receipts are the
+// recent ones, at the end of the table, where such a scan arrives last. No
+// join: every condition is on receipts.
 const (
 	sqlCountOuterHead = `SELECT count(*) FROM (`
 	sqlCountHead      = `
 SELECT 1 FROM reconciler.receipts r
 WHERE r.state = 'manual_review'`
 	sqlCountTail = `
+ORDER BY r.updated_at
 LIMIT @max`
 	sqlCountOuterTail = `) held`
 )

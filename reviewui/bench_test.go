@@ -6,6 +6,7 @@ import (
 	"io"
 	"net/http"
 	"slices"
+	"strings"
 	"testing"
 	"time"
 
@@ -15,12 +16,18 @@ import (
 // benchHeld is how many receipts BenchmarkQueuePage holds in manual_review.
 const benchHeld = 100_000
 
+// benchSettled is how many settled receipts lie beside them: a ledger holds
+// far more settled receipts than held ones, and the planner weighs an index
+// against the whole table.
+const benchSettled = 2 * benchHeld
+
 // fillHeld writes n receipts held in manual_review, each with the event
-// that held it, straight into the tables (as the integration tests' scale
-// fill does: the triggers' checks are not what is measured), spread over 20
-// dependencies, 10 operations and 3 reasons, held from a minute to n
-// minutes ago; then ANALYZE, as autovacuum would.
-func fillHeld(tb testing.TB, db *pgxpool.Pool, n int) {
+// that held it, and settled receipts beside them, straight into the tables
+// (as the integration tests' scale fill does: the triggers' checks are not
+// what is measured). The held ones are spread over 20 dependencies, 10
+// operations and 3 reasons, held from a minute to n minutes ago. Then
+// VACUUM ANALYZE, as autovacuum would.
+func fillHeld(tb testing.TB, db *pgxpool.Pool, n, settled int) {
 	tb.Helper()
 	ctx := context.Background()
 	conn, err := db.Acquire(ctx)
@@ -39,6 +46,13 @@ func fillHeld(tb testing.TB, db *pgxpool.Pool, n int) {
 		       now() - make_interval(mins => g + 1), now() - make_interval(mins => g + 1),
 		       now() - make_interval(mins => g), false, 4
 		FROM generate_series(1, $1::int) g`,
+		`INSERT INTO reconciler.receipts (idempotency_key, operation, dependency, method, target, fingerprint, intent,
+		                                  state, state_actor, state_detail, created_at, submitted_at, updated_at, guarded, version)
+		SELECT 'settled:' || g, 'op-' || (g % 10), 'dep-' || (g % 20), 'POST', '/things/' || g, 'sha256:' || md5(g::text),
+		       '{}', 'succeeded', 'agent:bench', jsonb_build_object('reason', 'response'),
+		       now() - make_interval(mins => g + 1), now() - make_interval(mins => g + 1),
+		       now() - make_interval(mins => g), false, 3
+		FROM generate_series(1, $1::int) g`,
 		`INSERT INTO reconciler.receipt_events (receipt_id, seq, from_state, to_state, at, actor, detail)
 		SELECT id, version, 'outcome_unknown', 'manual_review', updated_at, state_actor, state_detail
 		FROM reconciler.receipts WHERE state = 'manual_review'`,
@@ -47,7 +61,10 @@ func fillHeld(tb testing.TB, db *pgxpool.Pool, n int) {
 		`VACUUM ANALYZE reconciler.receipt_events`,
 	} {
 		var args []any
-		if q[len(q)-1] == 'g' {
+		switch {
+		case strings.Contains(q, "'settled:'"):
+			args = append(args, settled)
+		case strings.Contains(q, "$1"):
 			args = append(args, n)
 		}
 		if _, err := conn.Exec(ctx, q, args...); err != nil {
@@ -58,13 +75,14 @@ func fillHeld(tb testing.TB, db *pgxpool.Pool, n int) {
 
 // BenchmarkQueuePage measures the queue page, answered whole over HTTP
 // (queue, counts, filter choices, summary bar), with 100,000 receipts held
-// in manual_review: unfiltered, and with each filter. It reports the
+// in manual_review beside 200,000 settled: unfiltered, and with each
+// filter. It reports the
 // median and the 99th percentile of the page's latency.
 func BenchmarkQueuePage(b *testing.B) {
 	e := newLedger(b)
 	start := time.Now()
-	fillHeld(b, e.owner, benchHeld)
-	b.Logf("held %d receipts in %s", benchHeld, time.Since(start).Round(time.Millisecond))
+	fillHeld(b, e.owner, benchHeld, benchSettled)
+	b.Logf("held %d receipts (and %d settled) in %s", benchHeld, benchSettled, time.Since(start).Round(time.Millisecond))
 	ts := serve(b, e.login(b, "reconciler_reviewer"))
 	// The pass over every held receipt that the summary bar and the
 	// filters' counts take, read in the background at most every
