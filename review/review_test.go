@@ -79,13 +79,25 @@ func TestList(t *testing.T) {
 	backdate(t, pool, c, 3*time.Hour)
 	backdate(t, pool, a, time.Hour)
 	unknown(t, pool, "articles.create", "blog") // not held: never listed
+	d := unknown(t, pool, "mail.send", "mailer").ID
+	rc, err := ledger.New(pool, "reconciler:t")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := rc.Transition(ctx, ledger.Move{ID: d, From: statemachine.OutcomeUnknown,
+		To: statemachine.ManualReview, Detail: ledger.Detail{Reason: "bound_reached"}}); err != nil {
+		t.Fatal(err)
+	}
 
 	tests := []struct {
 		name string
 		f    Filter
 		want []int64
 	}{
-		{"all, longest held first", Filter{}, []int64{c, a, b}},
+		{"all, longest held first", Filter{}, []int64{c, a, b, d}},
+		{"reason", Filter{Reason: "blind"}, []int64{c, a, b}},
+		{"other reason", Filter{Reason: "bound_reached"}, []int64{d}},
+		{"reason and dependency", Filter{Reason: "bound_reached", Dependency: "blog"}, nil},
 		{"operation", Filter{Operation: "articles.create"}, []int64{a}},
 		{"dependency", Filter{Dependency: "blog"}, []int64{c, a}},
 		{"older than", Filter{OlderThan: 30 * time.Minute}, []int64{c, a}},
@@ -106,6 +118,21 @@ func TestList(t *testing.T) {
 			}
 			if !slices.Equal(ids, tt.want) {
 				t.Fatalf("ids %v, want %v", ids, tt.want)
+			}
+			// Count agrees with the list (without its limit), and stops
+			// at its bound.
+			f := tt.f
+			f.Limit = 0
+			all, err := List(ctx, pool, Filter{Operation: f.Operation, Dependency: f.Dependency, Reason: f.Reason,
+				OlderThan: f.OlderThan, Limit: 100})
+			if err != nil {
+				t.Fatal(err)
+			}
+			if n, more, err := Count(ctx, pool, f, 0); err != nil || n != int64(len(all)) || more {
+				t.Fatalf("count %d (more %v, %v), want %d", n, more, err, len(all))
+			}
+			if n, more, err := Count(ctx, pool, f, 1); err != nil || n != min(1, int64(len(all))) || more != (len(all) > 1) {
+				t.Fatalf("count up to 1: %d (more %v, %v) of %d", n, more, err, len(all))
 			}
 		})
 	}

@@ -336,8 +336,8 @@ type receiptBody struct {
 	*detail
 	Decisions []decision
 	// Form echoes a refused decision's fields, so nothing typed is lost.
-	Form struct{ Decision, Reason, ExternalID string }
-	Decided  bool
+	Form    struct{ Decision, Reason, ExternalID string }
+	Decided bool
 }
 
 func (s *Server) receipt(w http.ResponseWriter, r *http.Request, id Identity) {
