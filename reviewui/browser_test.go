@@ -37,6 +37,10 @@ const hostile = "<script>window.__pwned=1</script><img src=x onerror=\"window.__
 func chromium(t *testing.T) string {
 	t.Helper()
 	if p := os.Getenv(EnvChromium); p != "" {
+		if _, err := exec.LookPath(p); err != nil {
+			t.Fatalf("%s=%s: %v: point it at a Chromium or Chrome binary, or unset it and install Debian's "+
+				"package (apt-get install -y chromium)", EnvChromium, p, err)
+		}
 		return p
 	}
 	for _, name := range []string{"chromium", "chromium-browser", "google-chrome", "headless_shell"} {
