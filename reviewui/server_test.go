@@ -321,6 +321,14 @@ func TestQueuePlansAt100kHeld(t *testing.T) {
 				plan.WriteString(line + "\n")
 			}
 			rows.Close()
+			var scans []string
+			for _, line := range strings.Split(plan.String(), "\n") {
+				if strings.Contains(line, " Scan ") {
+					f := strings.Fields(strings.TrimLeft(line, " ->"))
+					scans = append(scans, strings.Join(f[:min(len(f), 5)], " "))
+				}
+			}
+			t.Logf("%s %s: %v", q, strings.Fields(s.sql)[1], scans)
 			if strings.Contains(plan.String(), "Seq Scan on receipts") {
 				t.Errorf("%s: sequential scan of receipts:\n%s\n%s", q, s.sql, plan.String())
 			}
