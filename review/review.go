@@ -31,7 +31,8 @@ import (
 const DefaultLimit = 50
 
 // Via is recorded in the detail of every move this package makes, as
-// extra.resolved_via, so history tells a review decision from a hand-written
+// extra.resolved_via (unless Resolution.Via names another tool, such as
+// `reconciler ui`), so history tells a review decision from a hand-written
 // SQL statement.
 const Via = "reconciler review"
 
@@ -315,6 +316,9 @@ type Resolution struct {
 	// ExternalID, when set, is recorded with the move (e.g. the resource a
 	// person found for a succeeded create).
 	ExternalID string
+	// Via names the tool the person decided with, recorded as
+	// extra.resolved_via; the package's Via (the CLI) when empty.
+	Via string
 }
 
 // Resolve moves a held receipt to r.To as "human:<r.Operator>", recording
@@ -329,7 +333,20 @@ func Resolve(ctx context.Context, pool *pgxpool.Pool, r Resolution) (*ledger.Rec
 	default:
 		return nil, fmt.Errorf("review: receipt %d: %w (got %q)", r.ID, ErrInvalidResolution, r.To)
 	}
-	return leave(ctx, pool, r.ID, r.To, r.Operator, r.Reason, r.ExternalID, "resolve")
+	return leave(ctx, pool, r, "resolve")
+}
+
+// Decide makes the decision r: a resolution as Resolve makes it, or, with
+// r.To = outcome_unknown, a requeue as Requeue makes it (r.ExternalID is
+// then refused: a requeue finds nothing). Errors are those of Resolve.
+func Decide(ctx context.Context, pool *pgxpool.Pool, r Resolution) (*ledger.Receipt, error) {
+	if r.To != statemachine.OutcomeUnknown {
+		return Resolve(ctx, pool, r)
+	}
+	if strings.TrimSpace(r.ExternalID) != "" {
+		return nil, fmt.Errorf("review: receipt %d: %w: a requeue records no external id", r.ID, ErrInvalidResolution)
+	}
+	return leave(ctx, pool, r, "requeue")
 }
 
 // Requeue moves a held receipt back to outcome_unknown as
@@ -337,13 +354,16 @@ func Resolve(ctx context.Context, pool *pgxpool.Pool, r Resolution) (*ledger.Rec
 // at once, so the reconciler claims and checks it again. Errors are those of
 // Resolve.
 func Requeue(ctx context.Context, pool *pgxpool.Pool, id int64, operator, reason string) (*ledger.Receipt, error) {
-	return leave(ctx, pool, id, statemachine.OutcomeUnknown, operator, reason, "", "requeue")
+	return leave(ctx, pool, Resolution{ID: id, To: statemachine.OutcomeUnknown, Operator: operator, Reason: reason}, "requeue")
 }
 
-// leave makes the guarded move manual_review → to for a human.
-func leave(ctx context.Context, pool *pgxpool.Pool, id int64, to statemachine.State,
-	operator, reason, externalID, action string) (*ledger.Receipt, error) {
-	reason = strings.TrimSpace(reason)
+// leave makes the guarded move manual_review → r.To for a human.
+func leave(ctx context.Context, pool *pgxpool.Pool, r Resolution, action string) (*ledger.Receipt, error) {
+	id, operator, via := r.ID, r.Operator, r.Via
+	if via == "" {
+		via = Via
+	}
+	reason := strings.TrimSpace(r.Reason)
 	if reason == "" {
 		return nil, fmt.Errorf("review: receipt %d: %w", id, ErrReasonRequired)
 	}
@@ -356,10 +376,10 @@ func leave(ctx context.Context, pool *pgxpool.Pool, id int64, to statemachine.St
 		return nil, fmt.Errorf("review: receipt %d: %w", id, err)
 	}
 	rec, err := client.Transition(ctx, ledger.Move{
-		ID: id, From: statemachine.ManualReview, To: to,
+		ID: id, From: statemachine.ManualReview, To: r.To,
 		Detail: ledger.Detail{Reason: reason, Extra: map[string]any{
-			"resolved_via": Via, "action": action, "operator": operator}},
-		ExternalID: strings.TrimSpace(externalID),
+			"resolved_via": via, "action": action, "operator": operator}},
+		ExternalID: strings.TrimSpace(r.ExternalID),
 	})
 	if err == nil {
 		return rec, nil

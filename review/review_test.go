@@ -397,3 +397,43 @@ func TestConcurrentResolve(t *testing.T) {
 		}
 	}
 }
+
+// Decide resolves or requeues, recording the tool it was given.
+func TestDecide(t *testing.T) {
+	pool := pgtest.NewPool(t)
+	ctx := context.Background()
+	for _, c := range []struct {
+		r       Resolution
+		action  string
+		wantVia string
+	}{
+		{Resolution{To: statemachine.OutcomeUnknown, Operator: "bob", Reason: "check again", Via: "reconciler ui"}, "requeue", "reconciler ui"},
+		{Resolution{To: statemachine.Rejected, Operator: "bob", Reason: "cancelled", Via: "reconciler ui"}, "resolve", "reconciler ui"},
+		{Resolution{To: statemachine.Succeeded, Operator: "bob", Reason: "found it"}, "resolve", Via},
+	} {
+		c.r.ID = hold(t, pool, "mail.send", "mailer")
+		got, err := Decide(ctx, pool, c.r)
+		if err != nil || got.State != c.r.To {
+			t.Fatalf("%+v: %+v, %v", c.r, got, err)
+		}
+		tl, err := Show(ctx, pool, c.r.ID)
+		if err != nil {
+			t.Fatal(err)
+		}
+		var extra map[string]string
+		if err := json.Unmarshal(tl.Events[len(tl.Events)-1].Extra, &extra); err != nil {
+			t.Fatal(err)
+		}
+		if extra["resolved_via"] != c.wantVia || extra["action"] != c.action || extra["operator"] != "bob" {
+			t.Errorf("%+v: extra %v", c.r, extra)
+		}
+	}
+	id := hold(t, pool, "mail.send", "mailer")
+	if _, err := Decide(ctx, pool, Resolution{ID: id, To: statemachine.OutcomeUnknown, Operator: "bob",
+		Reason: "x", ExternalID: "msg-1"}); !errors.Is(err, ErrInvalidResolution) {
+		t.Errorf("requeue with an external id: %v", err)
+	}
+	if _, err := Decide(ctx, pool, Resolution{ID: id, To: statemachine.Planned, Operator: "bob", Reason: "x"}); !errors.Is(err, ErrInvalidResolution) {
+		t.Errorf("decide to planned: %v", err)
+	}
+}

@@ -258,13 +258,13 @@ func TestBrowser(t *testing.T) {
 	if got := text(t, alice, "#state"); got != "rejected" {
 		t.Fatalf("after deciding, the page shows %q", got)
 	}
-	var actor, reason string
-	if err := e.owner.QueryRow(context.Background(), `SELECT actor, detail ->> 'reason' FROM reconciler.receipt_events
-		WHERE receipt_id = $1 ORDER BY seq DESC LIMIT 1`, evil).Scan(&actor, &reason); err != nil {
+	var actor, reason, via string
+	if err := e.owner.QueryRow(context.Background(), `SELECT actor, detail ->> 'reason', detail #>> '{extra,resolved_via}'
+		FROM reconciler.receipt_events WHERE receipt_id = $1 ORDER BY seq DESC LIMIT 1`, evil).Scan(&actor, &reason, &via); err != nil {
 		t.Fatal(err)
 	}
-	if actor != "human:alice" || reason != "customer cancelled; the processor shows no charge" {
-		t.Fatalf("last move by %q with reason %q", actor, reason)
+	if actor != "human:alice" || reason != "customer cancelled; the processor shows no charge" || via != Via {
+		t.Fatalf("last move by %q with reason %q via %q", actor, reason, via)
 	}
 
 	// Two reviewers on one receipt at once: one decision is recorded, the

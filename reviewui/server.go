@@ -43,6 +43,10 @@ var templateFS embed.FS
 //go:embed static
 var staticFS embed.FS
 
+// Via is recorded with every decision made on the page, as
+// extra.resolved_via.
+const Via = "reconciler ui"
+
 // DefaultListen is where `reconciler ui` listens unless told otherwise: this
 // host only.
 const DefaultListen = "127.0.0.1:8086"
@@ -387,16 +391,17 @@ func (s *Server) decide(w http.ResponseWriter, r *http.Request, id Identity) {
 	form := struct{ Decision, Reason, ExternalID string }{
 		r.PostFormValue("decision"), r.PostFormValue("reason"), r.PostFormValue("external_id")}
 	ctx := r.Context()
+	d := review.Resolution{ID: rid, To: statemachine.State(form.Decision), Operator: id.Reviewer,
+		Reason: form.Reason, ExternalID: form.ExternalID, Via: Via}
 	switch form.Decision {
 	case "requeue":
-		_, err = review.Requeue(ctx, s.pool, rid, id.Reviewer, form.Reason)
+		d.To, d.ExternalID = statemachine.OutcomeUnknown, ""
 	case string(statemachine.Succeeded), string(statemachine.SafeToRetry), string(statemachine.Rejected):
-		_, err = review.Resolve(ctx, s.pool, review.Resolution{ID: rid, To: statemachine.State(form.Decision),
-			Operator: id.Reviewer, Reason: form.Reason, ExternalID: form.ExternalID})
 	default:
 		s.showReceipt(w, r, id, http.StatusBadRequest, "Choose what happened before you decide.", &form)
 		return
 	}
+	_, err = review.Decide(ctx, s.pool, d)
 	var pg *pgconn.PgError
 	switch {
 	case err == nil:
