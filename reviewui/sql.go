@@ -62,6 +62,13 @@ var alarmSources = []alarmSource{
 			"and the extra copies need a person",
 		SQL: `SELECT count(*), max(detected_at) FROM reconciler.duplicate_alarms`,
 	},
+	{
+		Name:  "lifetime alarms",
+		Table: "reconciler.lifetime_alarms",
+		Help: "answers that arrived after the absence window a settlement declared: that dependency's " +
+			"declared request lifetime is too short (migration 00014)",
+		SQL: `SELECT count(*), max(detected_at) FROM reconciler.lifetime_alarms`,
+	},
 }
 
 // sqlTableExists says whether a table exists. $1 its qualified name.
