@@ -8,7 +8,8 @@
 --                        claims, settles and sweeps receipts, appends readback
 --                        checks and duplicate alarms, shares breaker state.
 --   reconciler_reviewer  people resolving manual_review (package review,
---                        `reconciler review`, `reconciler receipts show`).
+--                        `reconciler review`, `reconciler receipts show`,
+--                        `reconciler ui`).
 --   reconciler_readonly  stats and dashboards (`reconciler stats`): reads the
 --                        ledger, the reconciler's records and the schema
 --                        version, writes nothing.
@@ -228,11 +229,13 @@ GRANT SELECT, INSERT, UPDATE ON reconciler.dependency_breakers TO reconciler_wor
 
 -- reconciler_reviewer: read receipts, their history and the evidence the
 -- reconciler gathered, and move held receipts as a human (ledger's UPDATE,
--- or reconciler.transition). It cannot create receipts.
+-- or reconciler.transition). It cannot create receipts. It reads the shared
+-- breaker state too, for the summary bar of `reconciler ui`.
 GRANT EXECUTE ON FUNCTION reconciler.transition(bigint, text, text, jsonb, text, text)
     TO reconciler_reviewer;
 GRANT SELECT ON reconciler.receipts, reconciler.receipt_events, reconciler.readback_checks,
-                reconciler.duplicate_alarms, reconciler.late_outcomes, reconciler.lifetime_alarms
+                reconciler.duplicate_alarms, reconciler.late_outcomes, reconciler.lifetime_alarms,
+                reconciler.dependency_breakers
     TO reconciler_reviewer;
 GRANT UPDATE (state, state_actor, state_detail, external_id)
     ON reconciler.receipts TO reconciler_reviewer;
