@@ -8,7 +8,8 @@
 --                        claims, settles and sweeps receipts, appends readback
 --                        checks and duplicate alarms, shares breaker state.
 --   reconciler_reviewer  people resolving manual_review (package review,
---                        `reconciler review`, `reconciler receipts show`).
+--                        `reconciler review`, `reconciler receipts show`,
+--                        `reconciler ui`).
 --   reconciler_readonly  stats and dashboards (`reconciler stats`): reads the
 --                        ledger, the reconciler's records and the schema
 --                        version, writes nothing.
@@ -54,6 +55,10 @@
 --   * late_outcomes is written only by reconciler.record_late_outcome
 --     (SECURITY DEFINER, migration 00004), which the agent may call; no role
 --     has INSERT on it, and refuse_rewrite refuses UPDATE, DELETE, TRUNCATE.
+--   * lifetime_alarms (migration 00014) is written only by the triggers and
+--     functions that find a late answer after its absence window (SECURITY
+--     DEFINER); no role has INSERT on it, and refuse_rewrite refuses UPDATE,
+--     DELETE, TRUNCATE.
 --   * receipts.submitted_by (the login that submitted) is granted to no
 --     role, for INSERT or UPDATE: the triggers write it (NULL on insert,
 --     current_user on planned -> submitted) and refuse any change (RL006).
@@ -209,7 +214,10 @@ GRANT UPDATE (attempts, last_status, last_error, last_attempt_at, next_attempt_a
 -- the rows it claims (and which the trigger reads on a move to
 -- safe_to_retry).
 GRANT SELECT ON reconciler.receipts, reconciler.readback_checks, reconciler.duplicate_alarms,
-    reconciler.late_outcomes TO reconciler_worker;
+    reconciler.late_outcomes, reconciler.lifetime_alarms TO reconciler_worker;
+-- (The trigger that refuses a safe_to_retry whose window a late answer
+-- voids, and keeps the alarm in reconciler.lifetime_alarms, runs as the
+-- table's owner: migration 00014.)
 GRANT UPDATE (state, state_actor, state_detail, external_id, lease_owner, lease_expires_at,
               next_check_at, check_count, last_check_transient, wait_count)
     ON reconciler.receipts TO reconciler_worker;
@@ -235,11 +243,13 @@ GRANT INSERT (at, instance, dependency, adapter, operation, receipt_id, kind, de
 
 -- reconciler_reviewer: read receipts, their history and the evidence the
 -- reconciler gathered, and move held receipts as a human (ledger's UPDATE,
--- or reconciler.transition). It cannot create receipts.
+-- or reconciler.transition). It cannot create receipts. It reads the shared
+-- breaker state too, for the summary bar of `reconciler ui`.
 GRANT EXECUTE ON FUNCTION reconciler.transition(bigint, text, text, jsonb, text, text)
     TO reconciler_reviewer;
 GRANT SELECT ON reconciler.receipts, reconciler.receipt_events, reconciler.readback_checks,
-                reconciler.duplicate_alarms, reconciler.late_outcomes,
+                reconciler.duplicate_alarms, reconciler.late_outcomes, reconciler.lifetime_alarms,
+                reconciler.dependency_breakers,
                 reconciler.verdict_audits, reconciler.window_alarms, reconciler.audit_queue
     TO reconciler_reviewer;
 GRANT UPDATE (state, state_actor, state_detail, external_id)
@@ -250,7 +260,7 @@ GRANT UPDATE (state, state_actor, state_detail, external_id)
 -- table, above); executes nothing, writes nothing. `receipts show` and
 -- `review list|show` work under it too.
 GRANT SELECT ON reconciler.receipts, reconciler.receipt_events, reconciler.readback_checks,
-                reconciler.duplicate_alarms, reconciler.late_outcomes,
+                reconciler.duplicate_alarms, reconciler.late_outcomes, reconciler.lifetime_alarms,
                 reconciler.dependency_breakers, reconciler.gateway_responses,
                 reconciler.webhook_receipts, reconciler.webhook_deliveries,
                 reconciler.verdict_audits, reconciler.window_alarms, reconciler.audit_queue

@@ -524,6 +524,7 @@ func TestDowngradeAndUpgradeWithReceipts(t *testing.T) {
 	// among them.
 	loses := map[string]string{
 		"00015_verdict_audits.sql": "table audit_queue, table verdict_audits, table window_alarms",
+		"00014_rules_of_time.sql":  "table lifetime_alarms",
 		"00010_webhooks.sql":       "table webhook_deliveries, table webhook_receipts",
 		"00009_gateway.sql":        "table gateway_responses",
 		"00006_wait_count.sql":     "column receipts.wait_count",

@@ -19,6 +19,7 @@ import (
 	"syscall"
 	"time"
 
+	"github.com/receiptledger/reconciler/internal/contentcoding"
 	"github.com/receiptledger/reconciler/internal/sanitize"
 	"github.com/receiptledger/reconciler/statemachine"
 )
@@ -32,6 +33,12 @@ var ErrRejected = errors.New("request rejected")
 // ErrResponseTooLarge is the Exchange.Err of a response whose body exceeded
 // Caller.MaxResponseBytes; Exchange.Body then holds the first bytes only.
 var ErrResponseTooLarge = errors.New("response body too large")
+
+// ErrUndecodableBody is matched by the Exchange.Err of a response whose
+// body is in a content coding Caller.DecodeContent cannot decode (one it
+// does not know, or content that does not decode); Exchange.Body then
+// holds none of it, or the part decoded before the failure.
+var ErrUndecodableBody = contentcoding.ErrUndecodable
 
 // Defaults of a Caller's zero fields.
 const (
@@ -60,7 +67,7 @@ const (
 	CodeConnectionClosed = "connection_closed" // sent, then EOF before a response
 	CodeTransportError   = "transport_error"   // sent, then any other failure
 	CodeTruncatedBody    = "truncated_body"    // 2xx whose body could not be read whole
-	CodeMalformedBody    = "malformed_body"    // 2xx whose body is not the JSON it claims
+	CodeMalformedBody    = "malformed_body"    // 2xx whose body is not the JSON it claims, or cannot be decoded
 	CodeBodyTooLarge     = "body_too_large"    // 2xx whose body exceeds MaxResponseBytes
 	CodeInvalidVerdict   = "invalid_verdict"   // Classify returned an Outcome out of range
 	CodeClassifyPanic    = "classify_panic"    // Classify or ExternalID panicked: outcome unknown
@@ -167,6 +174,15 @@ type Caller struct {
 	// MaxResponseBytes bounds the response body read into memory;
 	// 0 means DefaultMaxResponseBytes.
 	MaxResponseBytes int64
+	// DecodeContent decodes every content coding of the response body
+	// (gzip, x-gzip, deflate, br, stacked) before it is read, bounded
+	// (MaxResponseBytes bounds the decoded body) and classified, and
+	// removes Content-Encoding from the response: an API may compress its
+	// answer whatever it was asked. A body that cannot be decoded is not
+	// read (its error matches ErrUndecodableBody): a 2xx is then
+	// outcome_unknown (malformed_body). Off, net/http decodes only the gzip
+	// its Transport asked for itself.
+	DecodeContent bool
 	// SettleTimeout bounds each ledger write after planning; 0 means
 	// DefaultSettleTimeout.
 	SettleTimeout time.Duration
@@ -177,6 +193,13 @@ type Caller struct {
 	// keys its own: another agent's reuse of a key must neither learn of
 	// that call nor send its next attempt.
 	Known func(ctx context.Context, r *Receipt) error
+	// Answered, when set, is called once a response to the request Do
+	// sent has arrived and been classified, with the submitted receipt,
+	// before the outcome is recorded: whatever it writes is there before
+	// the receipt settles, so a reader that sees the receipt settled sees
+	// it too. The gateway keeps the response for replays so. Its context
+	// is bounded by SettleTimeout; it cannot change the outcome.
+	Answered func(ctx context.Context, r *Receipt, ex Exchange, v Verdict)
 }
 
 // Result is what Do returns: the receipt and, when a response arrived, the
@@ -193,6 +216,13 @@ type Result struct {
 	// Replayed is set when the idempotency key named a receipt that was
 	// already past planned: nothing was sent, and Receipt is that one.
 	Replayed bool
+	// Unrecorded is set when the call was made and recording its outcome
+	// failed (the database unreachable, read-only mid-failover): the
+	// receipt stays submitted, and the observed outcome is here for the
+	// caller to keep and write once the database answers
+	// (Caller.RecordUnrecorded). Dropped, the reconciler reads the effect
+	// back after the orphan timeout instead.
+	Unrecorded *Unrecorded
 }
 
 // OutcomeError is the error of a Do whose receipt did not succeed. It
@@ -305,7 +335,11 @@ func (e *OutcomeError) Unwrap() []error {
 // A key whose receipt is already past planned is not sent again: Do
 // returns that receipt with Replayed set; nil error if it succeeded, an
 // OutcomeError otherwise. A safe_to_retry receipt is followed: Do plans the
-// next attempt with Client.Retry and sends that.
+// next attempt with Client.Retry and sends that. When the database refuses
+// that retry because the receipt's proof rests on the API's native key and
+// its retention has passed (ErrKeyRetentionPassed), Do sends nothing,
+// requests a fresh proof (Client.RequestFreshProof) and says so: run the
+// step again once the reconciler has settled the receipt anew.
 //
 // The error is nil exactly when the receipt succeeded; an OutcomeError
 // when it settled otherwise (Result holds the receipt and any response);
@@ -374,6 +408,10 @@ func (c *Caller) Do(ctx context.Context, in Intent, req *http.Request) (*Result,
 			err = nil
 		}
 	}
+	if prev != nil && errors.Is(err, ErrKeyRetentionPassed) {
+		closeBody(req)
+		return c.freshProof(ctx, prev, err)
+	}
 	var dup *DuplicateError
 	if errors.As(err, &dup) && (dup.Existing.IdempotencyKey == in.IdempotencyKey ||
 		(prev != nil && dup.Existing.RetryOf == prev.ID)) {
@@ -385,6 +423,11 @@ func (c *Caller) Do(ctx context.Context, in Intent, req *http.Request) (*Result,
 			return nil, err
 		}
 		return c.replay(ctx, dup.Existing)
+	}
+	var nr *NotReplicatedError
+	if errors.As(err, &nr) {
+		closeBody(req)
+		return c.notReplicated(ctx, nr, err)
 	}
 	if err != nil {
 		closeBody(req)
@@ -412,6 +455,18 @@ func (c *Caller) Do(ctx context.Context, in Intent, req *http.Request) (*Result,
 			closeBody(req)
 			return &Result{Receipt: r}, fmt.Errorf("ledger: receipt %d not submitted, nothing sent: %w", r.ID, err)
 		}
+		if errors.Is(err, ErrKeyRetentionPassed) {
+			// Planned while the native key was retained, submitted after.
+			closeBody(req)
+			gctx, cancel := c.writeContext(ctx)
+			p, gerr := c.Ledger.Get(gctx, r.RetryOf)
+			cancel()
+			if gerr != nil {
+				return &Result{Receipt: r}, fmt.Errorf("ledger: receipt %d not submitted, nothing sent: %w (and reading receipt %d: %w)",
+					r.ID, err, r.RetryOf, gerr)
+			}
+			return c.freshProof(ctx, p, err)
+		}
 		if errors.Is(err, ErrRetryRefused) {
 			// A late answer to the receipt this one retries was recorded
 			// since the retry was planned: its effect exists or may exist.
@@ -427,6 +482,10 @@ func (c *Caller) Do(ctx context.Context, in Intent, req *http.Request) (*Result,
 			}
 			return &Result{Receipt: r}, err
 		}
+		if errors.As(err, &nr) {
+			closeBody(req)
+			return c.notReplicated(ctx, nr, err)
+		}
 		if err != nil {
 			closeBody(req)
 			return &Result{Receipt: r}, fmt.Errorf("ledger: receipt %d: submit failed, nothing sent: %w", r.ID, err)
@@ -439,6 +498,11 @@ func (c *Caller) Do(ctx context.Context, in Intent, req *http.Request) (*Result,
 	}
 	ex, stats := c.send(ctx, req, t0.Add(delay), delay)
 	v, overridden := c.safeClassify(ex)
+	if c.Answered != nil && ex.Response != nil {
+		actx, cancel := c.writeContext(ctx)
+		c.Answered(actx, sub, ex, v)
+		cancel()
+	}
 	res := &Result{Receipt: sub, Response: ex.Response, Body: ex.Body, Verdict: v, Sent: ex.Sent}
 	settled, cause, detail, err := c.settle(ctx, sub, ex, v, overridden, stats)
 	if err != nil {
@@ -461,6 +525,9 @@ func (c *Caller) Do(ctx context.Context, in Intent, req *http.Request) (*Result,
 			// a late rejection proves no effect.
 			note = c.recordLate(ctx, sub, ce.Actual, ex, v, detail)
 		}
+		if ce == nil {
+			res.Unrecorded = &Unrecorded{Receipt: sub, Verdict: v, HTTPStatus: ex.Status(), Detail: detail}
+		}
 		gctx, cancel := c.writeContext(ctx)
 		if cur, gerr := c.Ledger.Get(gctx, sub.ID); gerr == nil {
 			res.Receipt = cur
@@ -473,6 +540,26 @@ func (c *Caller) Do(ctx context.Context, in Intent, req *http.Request) (*Result,
 		return res, nil
 	}
 	return res, &OutcomeError{Receipt: settled, Cause: cause, Err: ex.Err}
+}
+
+// notReplicated answers for a receipt whose submit committed with a
+// warning (ErrNotReplicated): nothing is sent, since a failover could lose
+// the record, and the receipt is rejected as not_sent, retryable, so the
+// step may be sent again (as its next attempt) once the standby confirms
+// commits. Should that move fail too, the receipt stays submitted, and
+// the orphan sweep and a readback settle it (nothing was sent).
+func (c *Caller) notReplicated(ctx context.Context, nr *NotReplicatedError, err error) (*Result, error) {
+	cause := &CallError{Code: CodeNotSent, Retryable: true,
+		Message: "the submit committed with a warning (" + nr.Warning + "): a standby may not have it, so nothing was sent"}
+	wctx, cancel := c.writeContext(ctx)
+	defer cancel()
+	rc := nr.Receipt
+	rej, rerr := c.Ledger.Reject(wctx, rc, Detail{Error: cause, Reason: "commit_not_replicated"})
+	if rerr != nil {
+		return &Result{Receipt: rc}, &OutcomeError{Receipt: rc, Err: errors.Join(err, rerr),
+			note: "nothing sent; recording it as not sent failed too: " + rerr.Error()}
+	}
+	return &Result{Receipt: rej}, &OutcomeError{Receipt: rej, Cause: cause, Err: err}
 }
 
 // movedOnBySweep reports whether a submitted receipt found in state s was
@@ -788,7 +875,12 @@ func (c *Caller) send(ctx context.Context, req *http.Request, deadline time.Time
 	}
 	ex := Exchange{Request: out, Response: resp, Err: err}
 	if resp != nil && err == nil {
-		ex.Body, ex.Err = readBody(resp.Body, c.maxBody())
+		if c.DecodeContent {
+			ex.Err = contentcoding.Decode(resp)
+		}
+		if ex.Err == nil {
+			ex.Body, ex.Err = readBody(resp.Body, c.maxBody())
+		}
 		resp.Body.Close()
 		resp.Body = io.NopCloser(bytes.NewReader(ex.Body))
 		disarm()
@@ -1044,6 +1136,9 @@ func DefaultClassify(ex Exchange) Verdict {
 		switch {
 		case errors.Is(ex.Err, ErrResponseTooLarge):
 			return Verdict{Outcome: OutcomeUnknown, Code: CodeBodyTooLarge, Message: ex.Err.Error()}
+		case errors.Is(ex.Err, ErrUndecodableBody):
+			return Verdict{Outcome: OutcomeUnknown, Code: CodeMalformedBody,
+				Message: fmt.Sprintf("%s with a body that cannot be read: %s", statusMessage(ex), safeErrorText(ex.Err, ex.Request))}
 		case ex.Err != nil:
 			return Verdict{Outcome: OutcomeUnknown, Code: CodeTruncatedBody,
 				Message: fmt.Sprintf("%s after %d bytes: %s", statusMessage(ex), len(ex.Body), safeErrorText(ex.Err, ex.Request))}

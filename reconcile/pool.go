@@ -351,6 +351,10 @@ type Summary struct {
 	DBErrors int
 	// Duplicates counts duplicate alarms raised.
 	Duplicates int
+	// LifetimeExceeded counts settlements of receipts whose agent recorded
+	// an answer after the absence window (an alarm each: see
+	// ReasonLifetimeExceeded).
+	LifetimeExceeded int
 }
 
 func newSummary() Summary {
@@ -412,6 +416,9 @@ type session struct {
 	dueSet map[int64]struct{} // the times in due, as Unix nanoseconds
 	rearm  chan struct{}
 	run    bool
+
+	// batch gathers the rows read in batches (batch.go).
+	batch batches
 }
 
 func (p *Pool) serve(ctx context.Context, once bool) (Summary, error) {
@@ -500,6 +507,7 @@ func (p *Pool) serve(ctx context.Context, once bool) (Summary, error) {
 		auditor.Go(s.auditLoop)
 	}
 	err := s.claimLoop(once, wake)
+	s.endBatches()
 
 	close(s.jobs)
 	workers.Wait()
@@ -661,10 +669,8 @@ func (s *session) claimLoop(once bool, wake <-chan struct{}) error {
 			s.mu.Lock()
 			s.summary.Claimed += len(rows)
 			s.mu.Unlock()
-			for _, c := range rows {
-				s.jobs <- c // never blocks: the channel holds MaxInFlight rows
-			}
 		}
+		s.dispatch(rows, len(rows)+refused == limit)
 		if len(rows)+refused == limit {
 			// Maybe more due: the receipts whose claim was refused are
 			// left out of the next claim, so it takes the rows behind.
@@ -1059,7 +1065,7 @@ func (s *session) process(c Claimed) Outcome {
 		if !ok {
 			b = nil
 		}
-		return p.dec.late(now, c, b, lo)
+		return p.dec.voided(now, c, b, p.dec.late(now, c, b, lo))
 	}
 	if !ok {
 		return p.dec.manual(now, c, nil, ReasonNoAdapter)
@@ -1428,6 +1434,7 @@ func (s *session) flush(batch []Outcome) {
 				p.log.Warn("duplicate detected", "receipt_id", o.ID, "dependency", o.Dependency,
 					"adapter", o.Adapter, "matches", len(o.Duplicates))
 			}
+			s.lifetimeAlarm(o)
 			p.log.Info("receipt settled", "receipt_id", o.ID, "dependency", o.Dependency,
 				"state", string(o.To), "reason", o.Detail.Reason, "adapter", o.Adapter)
 		default:

@@ -58,8 +58,12 @@ type Contradiction struct {
 
 // Contradicted returns the receipts whose settled absence an audit
 // contradicted (false_absence) that match f (operation, dependency, audited
-// at least f.OlderThan ago), the newest first.
+// at least f.OlderThan ago; a reason other than false_absence matches
+// none), the newest first.
 func Contradicted(ctx context.Context, pool *pgxpool.Pool, f Filter) ([]Contradiction, error) {
+	if f.Reason != "" && f.Reason != FalseAbsence {
+		return nil, nil
+	}
 	if f.Limit <= 0 {
 		f.Limit = DefaultLimit
 	}
@@ -68,7 +72,7 @@ func Contradicted(ctx context.Context, pool *pgxpool.Pool, f Filter) ([]Contradi
 		s := f.OlderThan.Seconds()
 		minAge = &s
 	}
-	rows, err := pool.Query(ctx, sqlContradicted, optional(f.Operation), optional(f.Dependency), minAge, f.Limit)
+	rows, err := pool.Query(ctx, sqlContradicted, nullText(f.Operation), nullText(f.Dependency), minAge, f.Limit)
 	if err != nil {
 		return nil, fmt.Errorf("review: contradicted verdicts: %w", err)
 	}
@@ -84,6 +88,14 @@ func Contradicted(ctx context.Context, pool *pgxpool.Pool, f Filter) ([]Contradi
 		return nil, fmt.Errorf("review: contradicted verdicts: %w", err)
 	}
 	return out, nil
+}
+
+// nullText returns s as a nullable text parameter: NULL when empty.
+func nullText(s string) *string {
+	if s == "" {
+		return nil
+	}
+	return &s
 }
 
 // audits reads the audits of receipt id, in order.

@@ -87,6 +87,7 @@ func newApp(stdin io.Reader, stdout, stderr io.Writer) *cli.App {
 			benchCommand(),
 			adaptersCommand(),
 			reviewCommand(),
+			uiCommand(),
 			receiptsCommand(),
 			versionCommand(),
 		},

@@ -2,18 +2,20 @@ package main
 
 import (
 	"fmt"
+	"strings"
 	"time"
 
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/urfave/cli/v2"
 
+	"github.com/receiptledger/reconciler/ledger"
 	"github.com/receiptledger/reconciler/reconcile"
 )
 
 func statsCommand() *cli.Command {
 	return &cli.Command{
 		Name:  "stats",
-		Usage: "print the reconciler's backlog (receipts per non-terminal state, stale planned, orphans, oldest unknown, duplicates) and, per dependency, its verdicts, their audits and the lag observed against the windows",
+		Usage: "print the reconciler's backlog (receipts per non-terminal state, stale planned, orphans, oldest unknown, duplicates, late answers after the absence window) and, per dependency, its verdicts, their audits and the lag observed against the windows",
 		Flags: append([]cli.Flag{
 			databaseURLFlag(),
 			&cli.DurationFlag{Name: "stale-planned-after", Value: time.Hour, EnvVars: []string{"RECONCILER_STALE_PLANNED_AFTER"},
@@ -39,6 +41,19 @@ func statsCommand() *cli.Command {
 			if err != nil {
 				return dbFailure("stats", db, err, readBacklog)
 			}
+			alarms, err := store.LifetimeAlarms(c.Context)
+			if err != nil {
+				return dbFailure("stats", db, err, readBacklog)
+			}
+			if alarms == nil {
+				alarms = []reconcile.LifetimeAlarms{}
+			}
+			var exceeded int64
+			deps := make([]string, 0, len(alarms))
+			for _, a := range alarms {
+				exceeded += a.Count
+				deps = append(deps, a.Dependency)
+			}
 			verdicts, err := store.VerdictStats(c.Context, c.Duration("period"))
 			if err != nil {
 				return dbFailure("stats", db, err, readBacklog)
@@ -59,12 +74,25 @@ func statsCommand() *cli.Command {
 				{"oldest_outcome_unknown_age_s", int64(b.OldestUnknownAge.Seconds())},
 				{"oldest_unsettled_age_s", int64(b.OldestUnsettledAge.Seconds())},
 				{"duplicates_detected", b.Duplicates},
+				// Late answers recorded after their receipt's absence
+				// window (SPEC §5a): an alarm on each dependency named.
+				{"lifetime_exceeded", exceeded},
 			}
+			// What a commit on this server means (docs/failover.md).
+			d, err := ledger.ReadDurability(c.Context, db)
+			if err != nil {
+				return dbFailure("stats", db, err, readBacklog)
+			}
+			fields = append(fields, []struct {
+				name  string
+				value any
+			}{{"durability", d.Mode}, {"synchronous_standbys", d.Synchronous}, {"asynchronous_standbys", d.Asynchronous}}...)
 			if c.Bool("json") {
-				m := make(map[string]any, len(fields))
+				m := make(map[string]any, len(fields)+1)
 				for _, f := range fields {
 					m[f.name] = f.value
 				}
+				m["lifetime_exceeded_by_dependency"] = alarms
 				m["verdicts_period_s"] = int64(c.Duration("period").Seconds())
 				m["dependencies"] = verdicts
 				return writeJSON(c.App.Writer, m)
@@ -72,6 +100,9 @@ func statsCommand() *cli.Command {
 			scr := newScreen(c.App.Writer)
 			for _, f := range fields {
 				scr.Printf("%s=%v\n", f.name, f.value)
+			}
+			if exceeded > 0 {
+				scr.Printf("lifetime_exceeded_dependencies=%s\n", strings.Join(deps, ","))
 			}
 			printVerdicts(scr, verdicts, c.Duration("period"))
 			return nil
