@@ -497,4 +497,3 @@ func TestDeleteOnlyInsideARemoval(t *testing.T) {
 		}
 	}
 }
-
