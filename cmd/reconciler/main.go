@@ -88,6 +88,7 @@ func newApp(stdin io.Reader, stdout, stderr io.Writer) *cli.App {
 			adaptersCommand(),
 			reviewCommand(),
 			receiptsCommand(),
+			archiveCommand(),
 			versionCommand(),
 		},
 	}
