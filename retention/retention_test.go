@@ -10,6 +10,7 @@ import (
 	"slices"
 	"sort"
 	"strconv"
+	"strings"
 	"testing"
 	"time"
 
@@ -18,6 +19,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/receiptledger/reconciler/internal/pgtest"
+	"github.com/receiptledger/reconciler/migrations"
 	"github.com/receiptledger/reconciler/retention"
 )
 
@@ -495,5 +497,29 @@ func TestDeleteOnlyInsideARemoval(t *testing.T) {
 		if !errors.As(err, &pe) || pe.Code != "RL006" {
 			t.Errorf("%s: err %v, want RL006", q, err)
 		}
+	}
+}
+
+// Once retention removed anything, migrating below 00020 is refused: it
+// would drop the only record of which receipts left and where their
+// archive is.
+func TestMigrateDownRefusedAfterRemovals(t *testing.T) {
+	ctx := context.Background()
+	db := pgtest.NewPool(t)
+	insert(t, db, []receipt{{key: "a", state: "succeeded", settled: 100 * day}})
+	if _, err := retention.New(db, retention.Dir(t.TempDir()), nil).Run(ctx,
+		retention.Policy{Settled: 90 * day, History: 90 * day, Horizon: time.Hour}, 0); err != nil {
+		t.Fatal(err)
+	}
+	p, err := migrations.NewProvider(ctx, migrations.OpenDB(db))
+	if err != nil {
+		t.Fatal(err)
+	}
+	_, err = p.Down(ctx)
+	if err == nil || !strings.Contains(err.Error(), "retention_batches records removed receipts") {
+		t.Fatalf("down past 00020 with removals: %v", err)
+	}
+	if v, err := p.GetDBVersion(ctx); err != nil || v != migrations.Latest() {
+		t.Errorf("version %d (%v), want %d", v, err, migrations.Latest())
 	}
 }
