@@ -619,6 +619,12 @@ func (c *Client) planError(ctx context.Context, key string, err error) error {
 		return fmt.Errorf("ledger: plan %s: %w: %s", key, ErrNotFound, pe.Message)
 	case codeConflict:
 		return fmt.Errorf("ledger: plan %s: %w: %s", key, ErrStateConflict, pe.Message)
+	case codeUniqueKey:
+		// reconciler.plan found no receipt under the key, yet the key is
+		// taken: keys outlive the receipts retention removes.
+		if pe.ConstraintName == "receipt_keys_pkey" {
+			return fmt.Errorf("ledger: plan %s: %w", key, ErrKeyRemoved)
+		}
 	}
 	return fmt.Errorf("ledger: plan %s: %w", key, err)
 }

@@ -19,6 +19,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/receiptledger/reconciler/internal/pgtest"
+	"github.com/receiptledger/reconciler/ledger"
 	"github.com/receiptledger/reconciler/migrations"
 	"github.com/receiptledger/reconciler/retention"
 )
@@ -282,10 +283,16 @@ func TestRetentionKeepsWhatAGuaranteeNeeds(t *testing.T) {
 
 	// A removed receipt's key stays taken: planned again, it is refused,
 	// never a new receipt to send.
-	_, err = db.Exec(ctx, `SELECT reconciler.plan('plain', 'things.create', 'api', 'POST', '/things',
-		'sha256:' || repeat('0', 64), '{}', 'agent:a')`)
-	if err == nil {
-		t.Error("the key of a removed receipt was planned again")
+	agent, err := ledger.New(db, "agent:a")
+	if err != nil {
+		t.Fatal(err)
+	}
+	in := ledger.Intent{IdempotencyKey: "plain", Operation: "things.create", Dependency: "api", Method: "POST", Target: "/things"}
+	if _, err := agent.Plan(ctx, in); !errors.Is(err, ledger.ErrKeyRemoved) {
+		t.Errorf("plan of a removed receipt's key: %v, want ErrKeyRemoved", err)
+	}
+	if _, err := agent.PlanAndSubmit(ctx, in); !errors.Is(err, ledger.ErrKeyRemoved) {
+		t.Errorf("plan and submit of a removed receipt's key: %v, want ErrKeyRemoved", err)
 	}
 	var n int
 	if err := db.QueryRow(ctx, `SELECT count(*) FROM reconciler.receipts WHERE idempotency_key = 'plain'`).Scan(&n); err != nil || n != 0 {
