@@ -84,7 +84,13 @@ BEGIN
         batch := nullif(current_setting('reconciler.retention_batch', true), '')::bigint;
         IF batch IS NOT NULL
            AND pg_has_role(current_user, (SELECT c.relowner FROM pg_catalog.pg_class c WHERE c.oid = TG_RELID), 'USAGE') THEN
-            rid := (to_jsonb(OLD) ->> CASE WHEN TG_TABLE_NAME = 'receipts' THEN 'id' ELSE 'receipt_id' END)::bigint;
+            -- (PL/pgSQL resolves OLD's fields when a statement first runs,
+            -- so each table only ever runs the branch naming its column.)
+            IF TG_TABLE_NAME = 'receipts' THEN
+                rid := OLD.id;
+            ELSE
+                rid := OLD.receipt_id;
+            END IF;
             IF EXISTS (SELECT FROM reconciler.removed_receipts t WHERE t.receipt_id = rid AND t.batch_id = batch) THEN
                 RETURN OLD;
             END IF;
