@@ -181,13 +181,15 @@ func (a *Archiver) bound(ctx context.Context, t time.Time) (int64, error) {
 	return lo, nil
 }
 
-// choose returns the ids of the next chains that may go, at least p.Batch
-// receipts unless the range ran out, and the id to continue after.
+// choose returns the ids of the next chains that may go, p.Batch receipts
+// (a few more when the last chain has retries) unless the range ran out,
+// and the id to continue after.
 func (a *Archiver) choose(ctx context.Context, after, bound int64, settledBefore time.Time, p Policy) ([]int64, int64, error) {
 	var ids []int64
 	for len(ids) < p.Batch && after < bound {
+		before := len(ids)
 		rows, err := a.db.Query(ctx, sqlChains, pgx.NamedArgs{"after": after, "bound": bound,
-			"settled_before": settledBefore, "horizon_us": p.Horizon.Microseconds(), "limit": p.Batch})
+			"settled_before": settledBefore, "horizon_us": p.Horizon.Microseconds(), "limit": p.Batch - len(ids)})
 		if err != nil {
 			return nil, 0, fmt.Errorf("retention: choose: %w", err)
 		}
@@ -206,7 +208,7 @@ func (a *Archiver) choose(ctx context.Context, after, bound int64, settledBefore
 		if err != nil {
 			return nil, 0, fmt.Errorf("retention: choose: %w", err)
 		}
-		if scanned < p.Batch {
+		if scanned < p.Batch-before {
 			after = bound
 		}
 	}
