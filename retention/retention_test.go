@@ -530,3 +530,41 @@ func TestMigrateDownRefusedAfterRemovals(t *testing.T) {
 		t.Errorf("version %d (%v), want %d", v, err, migrations.Latest())
 	}
 }
+
+// racingSink writes the archive, then lets something happen before the
+// removal: here an agent's late outcome for the exported receipt.
+type racingSink struct {
+	retention.Dir
+	race func()
+}
+
+func (s racingSink) Write(ctx context.Context, name string, write func(io.Writer) error) (string, string, error) {
+	loc, sum, err := s.Dir.Write(ctx, name, write)
+	s.race()
+	return loc, sum, err
+}
+
+// A row added between the export and the removal (a late outcome) refuses
+// the batch: nothing is deleted that the archive does not hold. The next
+// pass exports and removes it with its receipt.
+func TestRowAddedAfterExportRefusesTheBatch(t *testing.T) {
+	ctx := context.Background()
+	db := pgtest.NewPool(t)
+	ids := insert(t, db, []receipt{{key: "a", state: "rejected", settled: 100 * day}})
+	p := retention.Policy{Settled: 90 * day, History: 90 * day, Horizon: time.Hour}
+	sink := racingSink{Dir: retention.Dir(t.TempDir()), race: func() {
+		mustExec(t, db, `INSERT INTO reconciler.late_outcomes (receipt_id, actor, outcome) VALUES ($1, 'agent:x', 'rejected')`, ids["a"])
+	}}
+	_, err := retention.New(db, sink, nil).Run(ctx, p, 0)
+	var pe *pgconn.PgError
+	if !errors.As(err, &pe) || pe.Code != "RL020" {
+		t.Fatalf("pass with a row added after the export: %v, want RL020", err)
+	}
+	if got := receiptIDs(t, db, "late_outcomes", "receipt_id"); len(got) != 1 {
+		t.Fatalf("late outcomes left %v", got)
+	}
+	rep, err := retention.New(db, retention.Dir(t.TempDir()), nil).Run(ctx, p, 0)
+	if err != nil || rep.Rows["receipts"] != 1 || rep.Rows["late_outcomes"] != 1 {
+		t.Errorf("next pass: %+v, %v; want the receipt and its late outcome", rep.Rows, err)
+	}
+}
