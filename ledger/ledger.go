@@ -581,6 +581,14 @@ func (c *Client) plan(ctx context.Context, in Intent, fp fingerprint.Result, ret
 	}
 	row := c.pool.QueryRow(ctx, sql, args...)
 	r, err := scanReceipt(row)
+	if code, pe := pgCode(err); code == codeUniqueKey && pe.ConstraintName == "receipt_keys_pkey" {
+		// The key is taken, but plan found no receipt under it: either a
+		// concurrent insert (PlanAndSubmit's, which does not take plan's
+		// lock) committed after plan looked, or retention removed the
+		// key's receipt. Asked again, plan returns the former's receipt;
+		// the latter is refused again (planError: ErrKeyRemoved).
+		r, err = scanReceipt(c.pool.QueryRow(ctx, sql, args...))
+	}
 	if code, pe := pgCode(err); code == codeKnownKey {
 		// Not a failure: the key's receipt, for the caller to carry on from.
 		id, _ := strconv.ParseInt(pe.Detail, 10, 64)
@@ -620,8 +628,8 @@ func (c *Client) planError(ctx context.Context, key string, err error) error {
 	case codeConflict:
 		return fmt.Errorf("ledger: plan %s: %w: %s", key, ErrStateConflict, pe.Message)
 	case codeUniqueKey:
-		// reconciler.plan found no receipt under the key, yet the key is
-		// taken: keys outlive the receipts retention removes.
+		// reconciler.plan found no receipt under the key twice, yet the
+		// key is taken: keys outlive the receipts retention removes.
 		if pe.ConstraintName == "receipt_keys_pkey" {
 			return fmt.Errorf("ledger: plan %s: %w", key, ErrKeyRemoved)
 		}
