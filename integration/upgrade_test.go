@@ -523,10 +523,11 @@ func TestDowngradeAndUpgradeWithReceipts(t *testing.T) {
 	// none (00020 refuses to go down once there are: see package
 	// retention). Receipts and history are never among them.
 	loses := map[string]string{
-		"00020_retention.sql":  "table removed_receipts, table retention_batches",
-		"00010_webhooks.sql":   "table webhook_deliveries, table webhook_receipts",
-		"00009_gateway.sql":    "table gateway_responses",
-		"00006_wait_count.sql": "column receipts.wait_count",
+		"00020_retention.sql":     "table removed_receipts, table retention_batches",
+		"00014_rules_of_time.sql": "table lifetime_alarms",
+		"00010_webhooks.sql":      "table webhook_deliveries, table webhook_receipts",
+		"00009_gateway.sql":       "table gateway_responses",
+		"00006_wait_count.sql":    "column receipts.wait_count",
 	}
 	step := func(what string, f func() (*goose.MigrationResult, error)) {
 		t.Helper()

@@ -118,8 +118,9 @@ $$;
 --     retryable rejection that nobody retried yet may still be retried,
 --     and the retry must link to it (the rest of the chain is kept with
 --     it: a chain leaves whole);
---   * no duplicate alarm: nothing in the schema records that a human dealt
---     with the extra copies, so the receipt stays where `stats` counts it;
+--   * no duplicate alarm and no lifetime alarm (00014): nothing in the
+--     schema records that a human dealt with one, so the receipt stays
+--     where `stats` counts it;
 --   * no webhook delivery pending, no gateway response still replayable.
 -- +goose StatementBegin
 CREATE FUNCTION reconciler.retention_keep_reason(r reconciler.receipts, settled_before timestamptz, horizon interval)
@@ -139,6 +140,8 @@ RETURNS text LANGUAGE sql STABLE AS $$
             THEN 'open retry chain'
         WHEN EXISTS (SELECT FROM reconciler.duplicate_alarms a WHERE a.receipt_id = r.id)
             THEN 'duplicate alarm'
+        WHEN EXISTS (SELECT FROM reconciler.lifetime_alarms a WHERE a.receipt_id = r.id)
+            THEN 'lifetime alarm'
         WHEN EXISTS (SELECT FROM reconciler.webhook_deliveries w
                      WHERE w.receipt_id = r.id AND w.delivered_at IS NULL AND w.gave_up_at IS NULL)
             THEN 'webhook delivery pending'
@@ -282,9 +285,9 @@ BEGIN
             reconciler.retention_keep_reason(reconciler.receipts, timestamptz, interval)
             TO reconciler_retention;
         GRANT SELECT ON reconciler.receipts, reconciler.receipt_events, reconciler.readback_checks,
-            reconciler.late_outcomes, reconciler.duplicate_alarms, reconciler.gateway_responses,
-            reconciler.webhook_receipts, reconciler.webhook_deliveries, reconciler.retention_batches,
-            reconciler.removed_receipts TO reconciler_retention;
+            reconciler.late_outcomes, reconciler.duplicate_alarms, reconciler.lifetime_alarms,
+            reconciler.gateway_responses, reconciler.webhook_receipts, reconciler.webhook_deliveries,
+            reconciler.retention_batches, reconciler.removed_receipts TO reconciler_retention;
     END IF;
     IF to_regrole('reconciler_readonly') IS NOT NULL THEN
         GRANT SELECT ON reconciler.retention_batches, reconciler.removed_receipts TO reconciler_readonly;

@@ -38,6 +38,7 @@ type receipt struct {
 	detail  string        // its last move's detail (evidence, error)
 	retryOf string        // key of the receipt it retries
 	alarm   bool          // a duplicate alarm
+	late2   bool          // a lifetime alarm (a late outcome after the window)
 	hook    string        // a webhook delivery: "pending" or "delivered"
 	replay  bool          // a gateway response still replayable
 	late    bool          // a late outcome
@@ -98,6 +99,10 @@ func insert(t *testing.T, db *pgxpool.Pool, rs []receipt) map[string]int64 {
 			mustExec(t, conn, `INSERT INTO reconciler.duplicate_alarms (receipt_id, detected_at, instance, adapter, dependency, external_ids)
 				VALUES ($1, clock_timestamp(), 'test', 'test', 'api', '{a,b}')`, id)
 		}
+		if r.late2 {
+			mustExec(t, conn, `INSERT INTO reconciler.lifetime_alarms (receipt_id, late_outcome_id, dependency, operation,
+				outcome, late_at, window_end) VALUES ($1, 1, 'api', 'things.create', 'succeeded', clock_timestamp(), clock_timestamp())`, id)
+		}
 		if r.hook != "" {
 			mustExec(t, conn, `INSERT INTO reconciler.webhook_receipts (receipt_id, route) VALUES ($1, 'r')`, id)
 			mustExec(t, conn, `INSERT INTO reconciler.webhook_deliveries (receipt_id, state, route, delivered_at)
@@ -152,6 +157,8 @@ func guarantees() []receipt {
 		{key: "chain-recent", state: "safe_to_retry", settled: old, kept: true},
 		{key: "chain-recent#2", state: "succeeded", settled: day, retryOf: "chain-recent", kept: true},
 		{key: "alarm", state: "succeeded", settled: old, alarm: true, kept: true},
+		{key: "lifetime-alarm", state: "safe_to_retry", settled: old, late2: true, kept: true},
+		{key: "lifetime-alarm#2", state: "succeeded", settled: old, retryOf: "lifetime-alarm", kept: true},
 		{key: "hook-pending", state: "succeeded", settled: old, hook: "pending", kept: true},
 		{key: "hook-delivered", state: "succeeded", settled: old, hook: "delivered"},
 		{key: "replayable", state: "succeeded", settled: old, replay: true, kept: true},
@@ -211,8 +218,9 @@ func receiptIDs(t *testing.T, db *pgxpool.Pool, table, col string) []int64 {
 // with its history, and keeps every one a guarantee needs (unsettled,
 // manual_review, inside the policy, native-key retention, the absence
 // window, an open or unsettled retry chain, a duplicate alarm, a pending
-// webhook, a replayable gateway response); the archive holds exactly the
-// rows removed, byte for byte as to_jsonb wrote them; the keys stay.
+// webhook, a replayable gateway response, a lifetime alarm); the archive
+// holds exactly the rows removed, byte for byte as to_jsonb wrote them;
+// the keys stay.
 func TestRetentionKeepsWhatAGuaranteeNeeds(t *testing.T) {
 	ctx := context.Background()
 	db := pgtest.NewPool(t)
