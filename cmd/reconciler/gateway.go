@@ -9,7 +9,6 @@ import (
 	"os"
 	"time"
 
-	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/collectors"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
@@ -64,9 +63,9 @@ func gatewayAction(c *cli.Context) error {
 	if l := c.String("listen"); l != "" {
 		cfg.Listen = l
 	}
-	db, err := pgxpool.New(ctx, c.String("database-url"))
+	db, err := openDatabase(ctx, "gateway", c.String("database-url"))
 	if err != nil {
-		return cli.Exit(fmt.Sprintf("gateway: database: %v", err), 1)
+		return err
 	}
 	defer db.Close()
 	if err := checkLedger(ctx, "gateway", db, callThrough); err != nil {

@@ -151,9 +151,9 @@ func runAction(c *cli.Context) error {
 		return cli.Exit(fmt.Sprintf("run: %v", err), 2) // the flags
 	}
 
-	db, err := pgxpool.New(ctx, c.String("database-url"))
+	db, err := openDatabase(ctx, "run", c.String("database-url"))
 	if err != nil {
-		return cli.Exit(fmt.Sprintf("run: database: %v", err), 1) // pgx redacts passwords
+		return err
 	}
 	defer db.Close()
 	if err := checkLedger(ctx, "run", db, settle); err != nil {

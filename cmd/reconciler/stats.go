@@ -4,7 +4,6 @@ import (
 	"fmt"
 	"time"
 
-	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/urfave/cli/v2"
 
 	"github.com/receiptledger/reconciler/reconcile"
@@ -23,9 +22,9 @@ func statsCommand() *cli.Command {
 			&cli.BoolFlag{Name: "json", Usage: "print JSON instead of name=value lines"},
 		},
 		Action: func(c *cli.Context) error {
-			db, err := pgxpool.New(c.Context, c.String("database-url"))
+			db, err := openDatabase(c.Context, "stats", c.String("database-url"))
 			if err != nil {
-				return cli.Exit(fmt.Sprintf("stats: %v", err), 1)
+				return err
 			}
 			defer db.Close()
 			store, err := reconcile.NewStore(db, "stats")
