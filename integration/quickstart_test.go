@@ -43,6 +43,11 @@ func TestQuickstart(t *testing.T) {
 		return m[1]
 	}
 	gatewayBlock, operatorBlock := block("gateway"), block("operator")
+	// The README shows the operator's block: the same one, so that it runs.
+	readme := readString(t, filepath.Join(repoRoot, "README.md"))
+	if m := regexp.MustCompile("(?s)<!-- quickstart: operator -->\n```sh\n(.*?)```").FindStringSubmatch(readme); m == nil || m[1] != operatorBlock {
+		t.Errorf("README.md's operator block differs from docs/quickstart.md's (or is gone): keep them the same")
+	}
 
 	dir := t.TempDir()
 	ports := map[string]string{}

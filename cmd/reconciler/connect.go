@@ -12,10 +12,10 @@ import (
 )
 
 // openDatabase parses --database-url and makes the command's pool. A URL
-// that does not parse is a usage error (exit 2, as the README's table of
-// exit codes says): nothing was tried, the operator typed it wrong. The
-// pool connects lazily, so a refused connection or a wrong password shows
-// up at the first query: connectFailure words that one.
+// that does not parse is a usage error (exit 2, as the table of exit codes
+// in docs/operations.md says): nothing was tried, the operator typed it
+// wrong. The pool connects lazily, so a refused connection or a wrong
+// password shows up at the first query: connectFailure words that one.
 func openDatabase(ctx context.Context, cmd, url string) (*pgxpool.Pool, error) {
 	cfg, err := parseDatabaseURL(cmd, url)
 	if err != nil {
