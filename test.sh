@@ -10,6 +10,8 @@
 #                      RECONCILER_TEST_DATABASE_URL names a server to use
 #   python3, node, tsc the gateway's example agents (examples/)
 #   chromium           the review UI's browser tests
+#   pg_auto_failover   the failover test (integration/failover_test.go): the
+#                      PostgreSQL 15 extension and pg_autoctl
 set -euo pipefail
 cd "$(dirname "$0")"
 export PATH="$PATH:/usr/local/go/bin"
@@ -33,6 +35,10 @@ need tsc node-typescript
 if ! command -v chromium >/dev/null 2>&1 && ! command -v chromium-browser >/dev/null 2>&1 &&
    ! command -v google-chrome >/dev/null 2>&1; then
   missing+=(chromium)
+fi
+
+if ! command -v pg_autoctl >/dev/null 2>&1; then
+  missing+=(postgresql-15-auto-failover pg-auto-failover-cli)
 fi
 
 if [ ${#missing[@]} -gt 0 ]; then

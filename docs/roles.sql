@@ -54,6 +54,10 @@
 --   * late_outcomes is written only by reconciler.record_late_outcome
 --     (SECURITY DEFINER, migration 00004), which the agent may call; no role
 --     has INSERT on it, and refuse_rewrite refuses UPDATE, DELETE, TRUNCATE.
+--   * lifetime_alarms (migration 00014) is written only by the triggers and
+--     functions that find a late answer after its absence window (SECURITY
+--     DEFINER); no role has INSERT on it, and refuse_rewrite refuses UPDATE,
+--     DELETE, TRUNCATE.
 --   * receipts.submitted_by (the login that submitted) is granted to no
 --     role, for INSERT or UPDATE: the triggers write it (NULL on insert,
 --     current_user on planned -> submitted) and refuse any change (RL006).
@@ -209,7 +213,13 @@ GRANT UPDATE (attempts, last_status, last_error, last_attempt_at, next_attempt_a
 -- the rows it claims (and which the trigger reads on a move to
 -- safe_to_retry).
 GRANT SELECT ON reconciler.receipts, reconciler.readback_checks, reconciler.duplicate_alarms,
-    reconciler.late_outcomes TO reconciler_worker;
+    reconciler.late_outcomes, reconciler.lifetime_alarms TO reconciler_worker;
+-- Its settlement skips a safe_to_retry whose window a late answer voids
+-- (migration 00014); the trigger that refuses one and keeps the alarm
+-- (reconciler.lifetime_alarms) runs as the table's owner.
+GRANT EXECUTE ON FUNCTION reconciler.absence_window_end(reconciler.receipts, jsonb),
+    reconciler.window_voided_by(reconciler.receipts, jsonb)
+    TO reconciler_worker;
 GRANT UPDATE (state, state_actor, state_detail, external_id, lease_owner, lease_expires_at,
               next_check_at, check_count, last_check_transient, wait_count)
     ON reconciler.receipts TO reconciler_worker;
@@ -226,7 +236,7 @@ GRANT SELECT, INSERT, UPDATE ON reconciler.dependency_breakers TO reconciler_wor
 GRANT EXECUTE ON FUNCTION reconciler.transition(bigint, text, text, jsonb, text, text)
     TO reconciler_reviewer;
 GRANT SELECT ON reconciler.receipts, reconciler.receipt_events, reconciler.readback_checks,
-                reconciler.duplicate_alarms, reconciler.late_outcomes
+                reconciler.duplicate_alarms, reconciler.late_outcomes, reconciler.lifetime_alarms
     TO reconciler_reviewer;
 GRANT UPDATE (state, state_actor, state_detail, external_id)
     ON reconciler.receipts TO reconciler_reviewer;
@@ -236,7 +246,7 @@ GRANT UPDATE (state, state_actor, state_detail, external_id)
 -- table, above); executes nothing, writes nothing. `receipts show` and
 -- `review list|show` work under it too.
 GRANT SELECT ON reconciler.receipts, reconciler.receipt_events, reconciler.readback_checks,
-                reconciler.duplicate_alarms, reconciler.late_outcomes,
+                reconciler.duplicate_alarms, reconciler.late_outcomes, reconciler.lifetime_alarms,
                 reconciler.dependency_breakers, reconciler.gateway_responses,
                 reconciler.webhook_receipts, reconciler.webhook_deliveries
     TO reconciler_readonly;

@@ -115,13 +115,17 @@ type Gateway struct {
 	drain, cutInFlight context.CancelFunc
 	// readTimeout and idleTimeout are Run's server's (Options).
 	readTimeout, idleTimeout time.Duration
+	// unrecorded keeps the outcomes whose recording failed (Run writes
+	// them when the database takes writes again).
+	unrecorded *unrecordedOutcomes
 }
 
 // New returns a gateway for cfg that records receipts through client (its
 // actor is replaced, per request, by the calling agent's "agent:<id>").
 func New(client *ledger.Client, cfg *Config, opts Options) *Gateway {
 	g := &Gateway{cfg: cfg, ledger: client, store: store{db: client.Pool()}, log: opts.Logger,
-		metrics: opts.Metrics, clients: map[*Route]*http.Client{}, hooks: newWebhooks(cfg, opts)}
+		metrics: opts.Metrics, clients: map[*Route]*http.Client{}, hooks: newWebhooks(cfg, opts),
+		unrecorded: newUnrecordedOutcomes()}
 	if g.log == nil {
 		g.log = slog.New(slog.DiscardHandler)
 	}
@@ -181,6 +185,12 @@ func (g *Gateway) Run(ctx context.Context, l net.Listener, h http.Handler, grace
 	hooksDone := make(chan struct{})
 	go func() { defer close(hooksDone); g.DeliverWebhooks(hctx) }()
 	defer func() { stopHooks(); <-hooksDone }()
+	// Outcomes whose recording failed are written once the database
+	// takes writes, until the calls in flight are done.
+	uctx, stopUnrecorded := context.WithCancel(context.WithoutCancel(ctx))
+	unrecordedDone := make(chan struct{})
+	go func() { defer close(unrecordedDone); g.unrecordedLoop(uctx) }()
+	defer func() { stopUnrecorded(); <-unrecordedDone }()
 	select {
 	case err := <-errc:
 		return err
@@ -385,6 +395,9 @@ func (g *Gateway) proxy(w http.ResponseWriter, r *http.Request) {
 	// ... unless the gateway stops and its grace period is over (Run).
 	defer context.AfterFunc(g.cut, cancel)()
 	res, err := caller.Do(ctx, in, up.WithContext(ctx))
+	if res != nil && res.Unrecorded != nil {
+		g.keepUnrecorded(c, caller, res)
+	}
 	if kept := g.keep(c, res, err); kept != nil {
 		g.record(ctx, c, res.Receipt.ID, kept)
 	}
@@ -584,19 +597,36 @@ func (g *Gateway) answer(w http.ResponseWriter, r *http.Request, c *call, res *l
 		g.refuse(w, name, newProblem(ProblemInvalidKey, "a key is printable, at most 255 bytes, and does not end in #<digits> (the suffix of retries)"))
 	case errors.Is(err, ledger.ErrInvalidIntent):
 		g.refuse(w, name, newProblem(ProblemInvalidIntent, ledgerDetail(err)))
+	case errors.Is(err, ledger.ErrKeyRetentionPassed) && res != nil && res.Receipt != nil &&
+		res.Receipt.State == statemachine.OutcomeUnknown:
+		// Caller.Do sent nothing and sent the previous attempt back to the
+		// reconciler for a fresh proof (SPEC §5a): ask again once it settles.
+		pr := newProblem(ProblemInProgress, fmt.Sprintf("the previous attempt's absence was proven on the API's idempotency key, "+
+			"whose retention has passed: nothing was sent, and receipt %d went back to the reconciler for a fresh proof; "+
+			"send the call again with the same Idempotency-Key once it settles", res.Receipt.ID))
+		pr.ReceiptID, pr.ReceiptState = res.Receipt.ID, string(res.Receipt.State)
+		pr.WaitURL = waitURL(res.Receipt.ID)
+		g.refuse(w, name, pr)
 	case errors.Is(err, ledger.ErrRetryRefused):
 		pr := newProblem(ProblemRetryRefused, "the previous attempt received a late answer after it was settled: its effect exists or may exist; a human must look")
 		if res != nil && res.Receipt != nil {
 			pr.ReceiptID, pr.ReceiptState = res.Receipt.ID, string(res.Receipt.State)
 		}
 		g.refuse(w, name, pr)
+	case res != nil && res.Unrecorded != nil && res.Receipt != nil && res.Receipt.State == statemachine.Submitted:
+		g.unrecordedAnswer(w, c, res)
 	case errors.As(err, &oe) && oe.Receipt != nil:
 		g.settledOtherwise(w, r, c, res, oe)
 	default:
 		// Planning or submitting failed: nothing was sent.
 		g.log.Error("ledger write failed, nothing sent", "route", name, "agent", c.agent, "error", err)
 		g.metrics.request(name, outcomeError)
-		pr := newProblem(ProblemLedger, "the receipt could not be recorded, so nothing was sent; send the call again with the same Idempotency-Key")
+		detail := "the receipt could not be recorded, so nothing was sent; send the call again with the same Idempotency-Key"
+		if errors.Is(err, ledger.ErrNoSynchronousStandby) || errors.Is(err, ledger.ErrNotReplicated) {
+			detail = ledgerDetail(err) + "; send the call again with the same Idempotency-Key once a synchronous standby is back"
+			w.Header().Set("Retry-After", "5")
+		}
+		pr := newProblem(ProblemLedger, detail)
 		if res != nil && res.Receipt != nil {
 			pr.ReceiptID, pr.ReceiptState = res.Receipt.ID, string(res.Receipt.State)
 		}
@@ -718,6 +748,11 @@ func (g *Gateway) keep(c *call, res *ledger.Result, err error) *storedResponse {
 	if err != nil && !(errors.As(err, &oe) && oe.Receipt != nil && oe.Receipt.State == statemachine.Rejected) {
 		return nil
 	}
+	return g.keptResponse(c, res)
+}
+
+// keptResponse is what res leaves for replays (see keep).
+func (g *Gateway) keptResponse(c *call, res *ledger.Result) *storedResponse {
 	kept := &storedResponse{Agent: c.agent, Status: res.Response.StatusCode, Headers: http.Header{}, BodyBytes: int64(len(res.Body))}
 	for _, h := range g.cfg.ReplayHeaders {
 		for _, v := range res.Response.Header.Values(h) {

@@ -529,7 +529,17 @@ func checkDaemonServes(t *testing.T, bin string) {
 	dbURL := pgtest.NewDatabase(t)
 	db := pgtest.Pool(t, dbURL)
 	for _, dep := range []string{"present-api", "absent-api", "mailer", "flaky-api"} {
-		seed(t, db, 3, "things.create", dep, "outcome_unknown")
+		ids := seed(t, db, 3, "things.create", dep, "outcome_unknown")
+		if dep == "absent-api" {
+			// An answer recorded an hour after its absence window: the
+			// receipt goes to manual_review, lifetime_exceeded, and the
+			// alarm's metric appears. (Written as the owner, with its time.)
+			if _, err := db.Exec(context.Background(), `INSERT INTO reconciler.late_outcomes
+				(receipt_id, actor, outcome, http_status, at) VALUES ($1, 'agent:test', 'outcome_unknown', 504,
+				clock_timestamp() + interval '1 hour')`, ids[0]); err != nil {
+				t.Fatal(err)
+			}
+		}
 	}
 	down := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, _ *http.Request) {
 		http.Error(w, "down for maintenance", http.StatusServiceUnavailable)
@@ -652,6 +662,7 @@ func ruleExprs(t *testing.T) [][2]string {
 		"manual_review backlog growing": `reconciler_backlog{state="manual_review"} offset`,
 		"breaker open":                  `reconciler_breaker_state{state="open"}`,
 		"duplicates detected":           "reconciler_duplicates_detected_total",
+		"late answer after the window":  "reconciler_lifetime_exceeded_total",
 		"clock skew":                    "reconciler_clock_skew_seconds",
 		"no progress":                   "reconciler_claimed_total",
 	} {

@@ -59,6 +59,17 @@ var (
 	// late answer was recorded between the retry's plan and its submit:
 	// the retry stays planned and nothing is sent.
 	ErrRetryRefused = errors.New("retry refused")
+	// ErrKeyRetentionPassed means the database refuses a retry of a
+	// receipt settled safe_to_retry on the API's native idempotency key
+	// (evidence guarantee native_idempotency_key) because the retry's
+	// request could be written after reuse_idempotency_key_before: the API
+	// would no longer deduplicate the reused key against a straggler of
+	// the original, and the absence was not read after the full window
+	// (SPEC §5a, "a native key protects only within its retention";
+	// SQLSTATE RL009). Nothing is sent; the error also matches
+	// ErrRetryRefused. A retry needs a fresh proof first: a settlement of
+	// the receipt read after its full absence window.
+	ErrKeyRetentionPassed = errors.New("native idempotency key past its retention")
 	// ErrKnownKey is returned by PlanAndSubmit, with the key's receipt as
 	// it is, when the idempotency key already names a receipt: nothing was
 	// submitted, and the caller carries on from that receipt's state
@@ -115,6 +126,7 @@ const (
 	codeDuplicate  = "RL005"
 	codeInvalidKey = "RL007"
 	codeKnownKey   = "RL008"
+	codeRetention  = "RL009"
 	// codeUniqueKey is PostgreSQL's unique_violation.
 	codeUniqueKey = "23505"
 )

@@ -193,6 +193,13 @@ type Result struct {
 	// Replayed is set when the idempotency key named a receipt that was
 	// already past planned: nothing was sent, and Receipt is that one.
 	Replayed bool
+	// Unrecorded is set when the call was made and recording its outcome
+	// failed (the database unreachable, read-only mid-failover): the
+	// receipt stays submitted, and the observed outcome is here for the
+	// caller to keep and write once the database answers
+	// (Caller.RecordUnrecorded). Dropped, the reconciler reads the effect
+	// back after the orphan timeout instead.
+	Unrecorded *Unrecorded
 }
 
 // OutcomeError is the error of a Do whose receipt did not succeed. It
@@ -305,7 +312,11 @@ func (e *OutcomeError) Unwrap() []error {
 // A key whose receipt is already past planned is not sent again: Do
 // returns that receipt with Replayed set; nil error if it succeeded, an
 // OutcomeError otherwise. A safe_to_retry receipt is followed: Do plans the
-// next attempt with Client.Retry and sends that.
+// next attempt with Client.Retry and sends that. When the database refuses
+// that retry because the receipt's proof rests on the API's native key and
+// its retention has passed (ErrKeyRetentionPassed), Do sends nothing,
+// requests a fresh proof (Client.RequestFreshProof) and says so: run the
+// step again once the reconciler has settled the receipt anew.
 //
 // The error is nil exactly when the receipt succeeded; an OutcomeError
 // when it settled otherwise (Result holds the receipt and any response);
@@ -374,6 +385,10 @@ func (c *Caller) Do(ctx context.Context, in Intent, req *http.Request) (*Result,
 			err = nil
 		}
 	}
+	if prev != nil && errors.Is(err, ErrKeyRetentionPassed) {
+		closeBody(req)
+		return c.freshProof(ctx, prev, err)
+	}
 	var dup *DuplicateError
 	if errors.As(err, &dup) && (dup.Existing.IdempotencyKey == in.IdempotencyKey ||
 		(prev != nil && dup.Existing.RetryOf == prev.ID)) {
@@ -385,6 +400,11 @@ func (c *Caller) Do(ctx context.Context, in Intent, req *http.Request) (*Result,
 			return nil, err
 		}
 		return c.replay(ctx, dup.Existing)
+	}
+	var nr *NotReplicatedError
+	if errors.As(err, &nr) {
+		closeBody(req)
+		return c.notReplicated(ctx, nr, err)
 	}
 	if err != nil {
 		closeBody(req)
@@ -412,6 +432,18 @@ func (c *Caller) Do(ctx context.Context, in Intent, req *http.Request) (*Result,
 			closeBody(req)
 			return &Result{Receipt: r}, fmt.Errorf("ledger: receipt %d not submitted, nothing sent: %w", r.ID, err)
 		}
+		if errors.Is(err, ErrKeyRetentionPassed) {
+			// Planned while the native key was retained, submitted after.
+			closeBody(req)
+			gctx, cancel := c.writeContext(ctx)
+			p, gerr := c.Ledger.Get(gctx, r.RetryOf)
+			cancel()
+			if gerr != nil {
+				return &Result{Receipt: r}, fmt.Errorf("ledger: receipt %d not submitted, nothing sent: %w (and reading receipt %d: %w)",
+					r.ID, err, r.RetryOf, gerr)
+			}
+			return c.freshProof(ctx, p, err)
+		}
 		if errors.Is(err, ErrRetryRefused) {
 			// A late answer to the receipt this one retries was recorded
 			// since the retry was planned: its effect exists or may exist.
@@ -426,6 +458,10 @@ func (c *Caller) Do(ctx context.Context, in Intent, req *http.Request) (*Result,
 				return c.replay(ctx, cur)
 			}
 			return &Result{Receipt: r}, err
+		}
+		if errors.As(err, &nr) {
+			closeBody(req)
+			return c.notReplicated(ctx, nr, err)
 		}
 		if err != nil {
 			closeBody(req)
@@ -461,6 +497,9 @@ func (c *Caller) Do(ctx context.Context, in Intent, req *http.Request) (*Result,
 			// a late rejection proves no effect.
 			note = c.recordLate(ctx, sub, ce.Actual, ex, v, detail)
 		}
+		if ce == nil {
+			res.Unrecorded = &Unrecorded{Receipt: sub, Verdict: v, HTTPStatus: ex.Status(), Detail: detail}
+		}
 		gctx, cancel := c.writeContext(ctx)
 		if cur, gerr := c.Ledger.Get(gctx, sub.ID); gerr == nil {
 			res.Receipt = cur
@@ -473,6 +512,26 @@ func (c *Caller) Do(ctx context.Context, in Intent, req *http.Request) (*Result,
 		return res, nil
 	}
 	return res, &OutcomeError{Receipt: settled, Cause: cause, Err: ex.Err}
+}
+
+// notReplicated answers for a receipt whose submit committed with a
+// warning (ErrNotReplicated): nothing is sent, since a failover could lose
+// the record, and the receipt is rejected as not_sent, retryable, so the
+// step may be sent again (as its next attempt) once the standby confirms
+// commits. Should that move fail too, the receipt stays submitted, and
+// the orphan sweep and a readback settle it (nothing was sent).
+func (c *Caller) notReplicated(ctx context.Context, nr *NotReplicatedError, err error) (*Result, error) {
+	cause := &CallError{Code: CodeNotSent, Retryable: true,
+		Message: "the submit committed with a warning (" + nr.Warning + "): a standby may not have it, so nothing was sent"}
+	wctx, cancel := c.writeContext(ctx)
+	defer cancel()
+	rc := nr.Receipt
+	rej, rerr := c.Ledger.Reject(wctx, rc, Detail{Error: cause, Reason: "commit_not_replicated"})
+	if rerr != nil {
+		return &Result{Receipt: rc}, &OutcomeError{Receipt: rc, Err: errors.Join(err, rerr),
+			note: "nothing sent; recording it as not sent failed too: " + rerr.Error()}
+	}
+	return &Result{Receipt: rej}, &OutcomeError{Receipt: rej, Cause: cause, Err: err}
 }
 
 // movedOnBySweep reports whether a submitted receipt found in state s was

@@ -76,6 +76,13 @@ type Client struct {
 	// log receives the failures of the LISTEN connection this client's
 	// Await and NotifySettled open (WithLogger); nil discards them.
 	log *slog.Logger
+	// durability is what a commit on the server means, as last read;
+	// shared by every client made from one New.
+	durability *durabilityCache
+	// requireSync, when positive, refuses to record receipts while the
+	// server cannot confirm commits on a synchronous standby, trusting a
+	// read of the durability for that long (RequireSynchronousStandby).
+	requireSync time.Duration
 }
 
 // New returns a client that writes as actor ("agent:<id>").
@@ -84,7 +91,8 @@ func New(pool *pgxpool.Pool, actor string) (*Client, error) {
 	if err != nil {
 		return nil, fmt.Errorf("ledger: %w", err)
 	}
-	return &Client{pool: pool, actor: a, settled: newSettlements(pool)}, nil
+	return &Client{pool: pool, actor: a, settled: newSettlements(pool),
+		durability: &durabilityCache{pool: pool, now: time.Now}}, nil
 }
 
 // As returns a client on the same pool that writes as actor. The reconciler
@@ -440,6 +448,9 @@ func (c *Client) PlanAndSubmit(ctx context.Context, in Intent) (*Receipt, error)
 	if err != nil {
 		return nil, err
 	}
+	if err := c.checkDurability(ctx); err != nil {
+		return nil, fmt.Errorf("ledger: plan %s: nothing recorded, nothing sent: %w", in.IdempotencyKey, err)
+	}
 	// The common case, a new key, is one INSERT of the receipt already
 	// submitted: the triggers make every check reconciler.plan would (the
 	// key's form and uniqueness, the duplicate guard under the intent's
@@ -456,7 +467,11 @@ func (c *Client) PlanAndSubmit(ctx context.Context, in Intent) (*Receipt, error)
 	if in.Webhook != "" {
 		sql, args = sqlPlanAndSubmitWebhook, append(args, in.Webhook)
 	}
-	r, err := scanReceipt(c.pool.QueryRow(ctx, sql, args...))
+	r, err := c.submitRow(ctx, sql, args...)
+	var nr *NotReplicatedError
+	if errors.As(err, &nr) {
+		return r, fmt.Errorf("ledger: plan %s: %w", in.IdempotencyKey, err)
+	}
 	if code, pe := pgCode(err); code == codeUniqueKey && pe.ConstraintName == "receipt_keys_pkey" {
 		if r, err = c.plan(ctx, in, fp, 0, false); err != nil {
 			return nil, err
@@ -579,8 +594,20 @@ func (c *Client) plan(ctx context.Context, in Intent, fp fingerprint.Result, ret
 	if in.Webhook != "" {
 		sql, args = sqlPlanWebhook, append(args, in.Webhook)
 	}
-	row := c.pool.QueryRow(ctx, sql, args...)
-	r, err := scanReceipt(row)
+	if err := c.checkDurability(ctx); err != nil {
+		return nil, fmt.Errorf("ledger: plan %s: nothing recorded, nothing sent: %w", in.IdempotencyKey, err)
+	}
+	var r *Receipt
+	var err error
+	if submit {
+		r, err = c.submitRow(ctx, sql, args...)
+	} else {
+		r, err = scanReceipt(c.pool.QueryRow(ctx, sql, args...))
+	}
+	var nr *NotReplicatedError
+	if errors.As(err, &nr) {
+		return r, fmt.Errorf("ledger: plan %s: %w", in.IdempotencyKey, err)
+	}
 	if code, pe := pgCode(err); code == codeKnownKey {
 		// Not a failure: the key's receipt, for the caller to carry on from.
 		id, _ := strconv.ParseInt(pe.Detail, 10, 64)
@@ -619,6 +646,8 @@ func (c *Client) planError(ctx context.Context, key string, err error) error {
 		return fmt.Errorf("ledger: plan %s: %w: %s", key, ErrNotFound, pe.Message)
 	case codeConflict:
 		return fmt.Errorf("ledger: plan %s: %w: %s", key, ErrStateConflict, pe.Message)
+	case codeRetention:
+		return fmt.Errorf("ledger: plan %s: %w, nothing sent: %w: %s", key, ErrRetryRefused, ErrKeyRetentionPassed, pe.Message)
 	}
 	return fmt.Errorf("ledger: plan %s: %w", key, err)
 }
@@ -664,8 +693,19 @@ func (c *Client) Transition(ctx context.Context, m Move) (*Receipt, error) {
 	if m.From == statemachine.Submitted && !c.durableOutcomes {
 		sql = sqlMoveOutcome
 	}
-	row := c.pool.QueryRow(ctx, sql, m.ID, string(m.To), string(m.Actor), detail, ext, string(m.From))
-	r, err := scanReceipt(row)
+	var r *Receipt
+	if m.To == statemachine.Submitted {
+		if err := c.checkDurability(ctx); err != nil {
+			return nil, fmt.Errorf("ledger: receipt %d: not submitted, nothing sent: %w", m.ID, err)
+		}
+		r, err = c.submitRow(ctx, sql, m.ID, string(m.To), string(m.Actor), detail, ext, string(m.From))
+	} else {
+		r, err = scanReceipt(c.pool.QueryRow(ctx, sql, m.ID, string(m.To), string(m.Actor), detail, ext, string(m.From)))
+	}
+	var nr *NotReplicatedError
+	if errors.As(err, &nr) {
+		return r, fmt.Errorf("ledger: %w", err)
+	}
 	if err == nil {
 		return r, nil
 	}
@@ -688,11 +728,20 @@ func (c *Client) Transition(ctx context.Context, m Move) (*Receipt, error) {
 		// planned -> submitted re-checks the duplicate guard: another
 		// receipt of the same intent went out since this one was planned.
 		return nil, fmt.Errorf("ledger: receipt %d: %s -> %s: %w", m.ID, m.From, m.To, c.duplicateError(ctx, pe))
+	case codeRetention:
+		// planned -> submitted of a retry whose basis is a native key
+		// past its retention (reconciler.retry_basis).
+		return nil, fmt.Errorf("ledger: receipt %d: %s -> %s: %w: %w: %s", m.ID, m.From, m.To, ErrRetryRefused,
+			ErrKeyRetentionPassed, pe.Message)
 	case codeConflict:
 		if m.From == statemachine.Planned && m.To == statemachine.Submitted {
 			// planned -> submitted of a retry re-checks
 			// reconciler.retry_error on the receipt it retries.
 			return nil, fmt.Errorf("ledger: receipt %d: %s -> %s: %w: %s", m.ID, m.From, m.To, ErrRetryRefused, pe.Message)
+		}
+		if m.From == statemachine.SafeToRetry {
+			// A fresh proof refused: a retry of the receipt went out.
+			return nil, fmt.Errorf("ledger: receipt %d: %s -> %s: %w: %w", m.ID, m.From, m.To, ErrStateConflict, err)
 		}
 	}
 	return nil, fmt.Errorf("ledger: receipt %d: %s -> %s: %w", m.ID, m.From, m.To, err)

@@ -40,6 +40,9 @@ var specLegal = map[string]bool{
 	"reconciling>succeeded": true, "reconciling>safe_to_retry": true, "reconciling>manual_review": true,
 	"manual_review>succeeded": true, "manual_review>safe_to_retry": true,
 	"manual_review>rejected": true, "manual_review>outcome_unknown": true,
+	// SPEC §5a: a retry past a native key's retention needs a fresh proof,
+	// which sends the receipt back to the reconciler (migration 00014).
+	"safe_to_retry>outcome_unknown": true,
 }
 
 const fp = "sha256:0000000000000000000000000000000000000000000000000000000000000000"
@@ -863,7 +866,11 @@ func TestMigration00004Down(t *testing.T) {
 	if _, err := p.Up(ctx); err != nil {
 		t.Fatal(err)
 	}
-	mustPlan(t, pool, planArgs{key: "before-down", fp: fpOf(1)})
+	// Below 00004 the Down refuses while a receipt is unsettled
+	// (integration.TestDownBelowSoundnessKeepsItsData): this one is
+	// settled before going down.
+	before := mustPlan(t, pool, planArgs{key: "before-down", fp: fpOf(1)})
+	mustMove(t, pool, before, "agent:a", "rejected")
 	if _, err := p.DownTo(ctx, 3); err != nil {
 		t.Fatalf("down to 3: %v", err)
 	}
@@ -896,7 +903,10 @@ func TestMigration00004Down(t *testing.T) {
 // if atReconciling is set, and settles it safe_to_retry.
 func lateSettled(t *testing.T, pool *pgxpool.Pool, key string, n int, atReconciling string) int64 {
 	t.Helper()
-	id := mustPlan(t, pool, planArgs{key: key, fp: fpOf(n)})
+	// A send deadline of 10 minutes: a late outcome recorded while
+	// reconciling is inside the (undeclared, so strictest) absence window
+	// however slow the machine, and does not void it (migration 00014).
+	id := mustPlan(t, pool, planArgs{key: key, fp: fpOf(n), delay: "10 minutes"})
 	mustMove(t, pool, id, "agent:a", "submitted")
 	mustMove(t, pool, id, "reconciler:r1", "outcome_unknown", "reconciling")
 	if atReconciling != "" {
@@ -933,7 +943,7 @@ func recordLateStatus(t *testing.T, q querier, id int64, outcome string, status 
 func TestLateClientTimeoutBeforeSettlementAllowsRetry(t *testing.T) {
 	pool := pgtest.NewPool(t)
 	ctx := context.Background()
-	before := mustPlan(t, pool, planArgs{key: "late-timeout-before", fp: fpOf(301)})
+	before := mustPlan(t, pool, planArgs{key: "late-timeout-before", fp: fpOf(301), delay: "10 minutes"})
 	mustMove(t, pool, before, "agent:a", "submitted")
 	mustMove(t, pool, before, "reconciler:r1", "outcome_unknown", "reconciling")
 	recordLateStatus(t, pool, before, "outcome_unknown", 0)

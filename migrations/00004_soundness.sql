@@ -588,6 +588,53 @@ $$;
 -- +goose StatementEnd
 
 -- +goose Down
+-- Below 00004 the ledger loses what its soundness rests on: the late
+-- outcomes (a late success or a late answer refuses every retry of its
+-- receipt; after down and up again that retry is allowed) and, of every
+-- receipt, its send deadline (max_send_delay: up again, every receipt's
+-- falls back to 5 s, and an absence window computed from it may be too
+-- short), guarded (up again, a receipt planned with allow_duplicate is
+-- guarded), submitted_by (which login may settle a submitted receipt) and
+-- unknown_since (the start of its check budget). So the step is refused
+-- while any receipt is unsettled or any late outcome of a receipt not
+-- settled succeeded is kept (RL010), unless the session accepts the loss
+-- (reconciler.accept_down_data_loss = 'on': `reconciler migrate down
+-- --accept-data-loss`). docs/rules-of-time.md lists what every Down drops.
+-- +goose StatementBegin
+DO $$
+DECLARE
+    unsettled bigint;
+    late bigint;
+    late_receipts bigint;
+BEGIN
+    IF coalesce(current_setting('reconciler.accept_down_data_loss', true), '') = 'on' THEN
+        RETURN;
+    END IF;
+    -- The lock the drops below take anyway, taken first: no receipt or late
+    -- outcome is written between the count and the drop.
+    LOCK TABLE reconciler.receipts, reconciler.late_outcomes IN ACCESS EXCLUSIVE MODE;
+    SELECT count(*) INTO unsettled FROM reconciler.receipts
+    WHERE state IN ('planned', 'submitted', 'outcome_unknown', 'reconciling', 'manual_review');
+    SELECT count(*), count(DISTINCT l.receipt_id) INTO late, late_receipts
+    FROM reconciler.late_outcomes l JOIN reconciler.receipts r ON r.id = l.receipt_id
+    WHERE r.state <> 'succeeded';
+    IF unsettled > 0 OR late > 0 THEN
+        RAISE EXCEPTION 'migrate down below 00004 refused: % receipts are unsettled (planned, submitted, '
+            'outcome_unknown, reconciling or manual_review) and % late outcomes of % receipts not settled '
+            'succeeded are kept', unsettled, late, late_receipts
+            USING ERRCODE = 'RL010',
+                  DETAIL = 'This step drops table reconciler.late_outcomes (late answers that refuse a retry of '
+                           'their receipt: after down and up again, that retry would be allowed) and the receipts'' '
+                           'columns max_send_delay (each send deadline: up again it falls back to 5 s), guarded '
+                           '(allow_duplicate), submitted_by (the login that may settle a submitted receipt) and '
+                           'unknown_since (the start of the check budget).',
+                  HINT = 'Settle the receipts first (reconciler run, reconciler review), stay at 00004, or '
+                         'accept the loss for this session (reconciler migrate down --accept-data-loss, which '
+                         'sets reconciler.accept_down_data_loss = ''on'').';
+    END IF;
+END
+$$;
+-- +goose StatementEnd
 DROP FUNCTION reconciler.record_late_outcome(bigint, text, text, integer, text, jsonb);
 DROP FUNCTION reconciler.plan(text, text, text, text, text, text, jsonb, text, boolean, bigint, jsonb, interval);
 DROP FUNCTION reconciler.retry_error(reconciler.receipts);

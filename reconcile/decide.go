@@ -25,6 +25,12 @@ const (
 	// ReasonAgentResponse: the agent recorded the API's 2xx response as a
 	// late outcome after the orphan sweep had moved the receipt.
 	ReasonAgentResponse = "agent_response"
+	// ReasonLifetimeExceeded: the agent recorded an answer to the original
+	// request (a late outcome of any kind) after the receipt's absence
+	// window: the request outlived its dependency's declared lifetime, so
+	// no absence settles the receipt (SPEC §5a, "late answers void the
+	// window"). Evidence.LifetimeExceeded says which answer and when.
+	ReasonLifetimeExceeded = "lifetime_exceeded"
 )
 
 // Evidence is what a settlement rests on: what was queried, what matched,
@@ -55,11 +61,22 @@ type Evidence struct {
 	// ReadAt is when the read began, on the database's clock.
 	ReadAt *time.Time `json:"read_at,omitempty"`
 	// SendDeadline is the latest moment the original could have been sent.
-	SendDeadline       *time.Time         `json:"send_deadline,omitempty"`
-	ConsistencyWindow  string             `json:"consistency_window,omitempty"`
-	MaxRequestLifetime string             `json:"max_request_lifetime,omitempty"`
-	Guarantee          readback.Guarantee `json:"guarantee,omitempty"`
-	AbsenceSafeAt      *time.Time         `json:"absence_safe_at,omitempty"`
+	SendDeadline       *time.Time `json:"send_deadline,omitempty"`
+	ConsistencyWindow  string     `json:"consistency_window,omitempty"`
+	MaxRequestLifetime string     `json:"max_request_lifetime,omitempty"`
+	// ConsistencyWindowSec and MaxRequestLifetimeSec are the same
+	// declarations in seconds, for the database: its trigger refuses a
+	// safe_to_retry whose receipt has a late outcome after send deadline +
+	// both, and keeps an alarm for such a late outcome on any settlement
+	// that states them (reconciler.absence_window_end).
+	ConsistencyWindowSec  *float64 `json:"consistency_window_s,omitempty"`
+	MaxRequestLifetimeSec *float64 `json:"max_request_lifetime_s,omitempty"`
+	// LifetimeExceeded is set when the agent recorded an answer to the
+	// original request after the absence window (ReasonLifetimeExceeded;
+	// also on a succeeded settlement, whose proof stands).
+	LifetimeExceeded *LifetimeExceeded  `json:"lifetime_exceeded,omitempty"`
+	Guarantee        readback.Guarantee `json:"guarantee,omitempty"`
+	AbsenceSafeAt    *time.Time         `json:"absence_safe_at,omitempty"`
 	// ReuseKeyBefore is set when absence relied on the API's native
 	// idempotency keys: the retry must reuse the original key before then.
 	ReuseKeyBefore *time.Time `json:"reuse_idempotency_key_before,omitempty"`
@@ -108,6 +125,63 @@ type LateOutcome struct {
 	HTTPStatus *int            `json:"http_status,omitempty"`
 	ExternalID string          `json:"external_id,omitempty"`
 	Detail     json.RawMessage `json:"detail,omitempty"`
+}
+
+// LifetimeExceeded is the late answer that voids a receipt's absence
+// window, and the window it voids.
+type LifetimeExceeded struct {
+	// WindowEnd is send deadline + max_request_lifetime +
+	// consistency_window: the end of the absence window.
+	WindowEnd  time.Time `json:"window_end"`
+	LateAt     time.Time `json:"late_at"`
+	Outcome    string    `json:"late_outcome"`
+	HTTPStatus *int      `json:"http_status,omitempty"`
+}
+
+// lifetimeExceeded returns the first late outcome of c recorded after its
+// absence window under b's declaration. A blind adapter declares no window,
+// so nothing contradicts it.
+func lifetimeExceeded(c Claimed, b *readback.Binding) (*LifetimeExceeded, bool) {
+	if b == nil || b.Kind == readback.Blind {
+		return nil, false
+	}
+	end := readback.SendDeadlineOf(c.Receipt).Add(b.Policy.MaxRequestLifetime + b.Policy.ConsistencyWindow)
+	for _, lo := range c.LateOutcomes {
+		if lo.At.After(end) {
+			return &LifetimeExceeded{WindowEnd: end, LateAt: lo.At, Outcome: lo.Outcome, HTTPStatus: lo.HTTPStatus}, true
+		}
+	}
+	return nil, false
+}
+
+// voided applies "late answers void the window" (SPEC §5a) to out, the
+// outcome of c's claim: when the agent recorded an answer after c's
+// absence window, out stands only as a positive proof (succeeded: the
+// effect exists, whatever the window); anything else (an absence, a wait
+// for one, a check error) becomes manual_review, reason lifetime_exceeded.
+// Either way the evidence records the late answer, and the pool raises the
+// alarm.
+func (d decider) voided(now time.Time, c Claimed, b *readback.Binding, out Outcome) Outcome {
+	lx, ok := lifetimeExceeded(c, b)
+	if !ok {
+		return out
+	}
+	ev := out.Detail.Evidence
+	if ev == nil {
+		checks := c.Checks
+		if out.Check != nil && !out.Waited {
+			checks++
+		}
+		ev = d.evidence(now, c, b, checks)
+	}
+	ev.LifetimeExceeded = lx
+	out.Detail.Evidence = ev
+	if out.To == statemachine.Succeeded {
+		return out
+	}
+	out.To, out.NextCheck, out.Duplicates = statemachine.ManualReview, time.Time{}, nil
+	out.Detail.Reason = ReasonLifetimeExceeded
+	return out
 }
 
 // controlVerdict is whether an adapter's absences may count (its positive
@@ -229,6 +303,8 @@ func (d decider) evidence(now time.Time, c Claimed, b *readback.Binding, checks 
 		if b.Kind != readback.Blind {
 			ev.ConsistencyWindow = b.Policy.ConsistencyWindow.String()
 			ev.MaxRequestLifetime = b.Policy.MaxRequestLifetime.String()
+			cw, lt := b.Policy.ConsistencyWindow.Seconds(), b.Policy.MaxRequestLifetime.Seconds()
+			ev.ConsistencyWindowSec, ev.MaxRequestLifetimeSec = &cw, &lt
 		}
 	}
 	return ev
@@ -289,13 +365,19 @@ func ControlNeeded(o Outcome) ControlKind {
 	return ""
 }
 
-// decide applies the settlement rules to one check of c whose read began
+// decide applies the settlement rules to one check of c (decideCheck),
+// then the rule that a late answer after the window voids it (voided).
+func (d decider) decide(readAt, answeredAt time.Time, c Claimed, b *readback.Binding, res readback.Result, checkErr error, latency time.Duration, ctl controlVerdict) Outcome {
+	return d.voided(readAt, c, b, d.decideCheck(readAt, answeredAt, c, b, res, checkErr, latency, ctl))
+}
+
+// decideCheck applies the settlement rules to one check of c whose read began
 // at readAt and whose answer arrived at answeredAt (both on the database's
 // clock). Every judgement of time (window, bounds, evidence) uses readAt: a
 // read that began before the window closed proves nothing, however late its
 // answer came. Only the next check is scheduled from answeredAt. An absence
 // settles only if ctl says the adapter's positive control passed.
-func (d decider) decide(readAt, answeredAt time.Time, c Claimed, b *readback.Binding, res readback.Result, checkErr error, latency time.Duration, ctl controlVerdict) Outcome {
+func (d decider) decideCheck(readAt, answeredAt time.Time, c Claimed, b *readback.Binding, res readback.Result, checkErr error, latency time.Duration, ctl controlVerdict) Outcome {
 	now := readAt
 	p := b.Policy
 	checks := c.Checks + 1

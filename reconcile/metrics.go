@@ -8,22 +8,25 @@ import (
 // (verdicts, reasons, adapter and dependency names from the configuration,
 // error classes); receipt ids never appear in labels.
 type Metrics struct {
-	Settlements   *prometheus.CounterVec   // state, reason
-	Checks        *prometheus.CounterVec   // adapter, outcome
-	CheckLatency  *prometheus.HistogramVec // adapter
-	Failures      *prometheus.CounterVec   // dependency, class
-	Deferrals     *prometheus.CounterVec   // dependency
-	Rescheduled   prometheus.Counter
-	LeaseLost     prometheus.Counter
-	Refused       prometheus.Counter
-	Claimed       prometheus.Counter
-	Orphans       prometheus.Counter
-	Duplicates    prometheus.Counter
-	Backlog       *prometheus.GaugeVec // state
-	StalePlanned  prometheus.Gauge
-	OldestUnknown prometheus.Gauge
-	Breaker       *prometheus.GaugeVec // dependency, state
-	DBErrors      prometheus.Counter
+	Settlements  *prometheus.CounterVec   // state, reason
+	Checks       *prometheus.CounterVec   // adapter, outcome
+	CheckLatency *prometheus.HistogramVec // adapter
+	Failures     *prometheus.CounterVec   // dependency, class
+	Deferrals    *prometheus.CounterVec   // dependency
+	Rescheduled  prometheus.Counter
+	LeaseLost    prometheus.Counter
+	Refused      prometheus.Counter
+	Claimed      prometheus.Counter
+	Orphans      prometheus.Counter
+	Duplicates   prometheus.Counter
+	// LifetimeExceeded counts receipts settled with a late answer recorded
+	// after their absence window (ReasonLifetimeExceeded).
+	LifetimeExceeded *prometheus.CounterVec // dependency, operation
+	Backlog          *prometheus.GaugeVec   // state
+	StalePlanned     prometheus.Gauge
+	OldestUnknown    prometheus.Gauge
+	Breaker          *prometheus.GaugeVec // dependency, state
+	DBErrors         prometheus.Counter
 	// WritesRefused counts rows (outcomes, checks) the database refused
 	// permanently, by statement and SQLSTATE class; WritesBlocked is 1
 	// while it refuses a statement as such (Pool.WritesRefused).
@@ -85,6 +88,10 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 			Name: "reconciler_duplicates_detected_total",
 			Help: "Creates that matched more than one external resource (settled succeeded, alarm recorded).",
 		}),
+		LifetimeExceeded: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "reconciler_lifetime_exceeded_total",
+			Help: "Receipts settled whose agent recorded an answer to the original request after its absence window (send deadline + max_request_lifetime + consistency_window): the dependency's declared lifetime or window is too short, and every other absence of it rests on that declaration. Each is settled manual_review (lifetime_exceeded) unless positively proven succeeded, logged at ERROR, and kept in reconciler.lifetime_alarms.",
+		}, []string{"dependency", "operation"}),
 		Backlog: prometheus.NewGaugeVec(prometheus.GaugeOpts{
 			Name: "reconciler_backlog",
 			Help: "Receipts in each non-terminal state (planned, submitted, outcome_unknown, reconciling, manual_review).",
@@ -124,7 +131,7 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 	}
 	if reg != nil {
 		reg.MustRegister(m.Settlements, m.Checks, m.CheckLatency, m.Failures, m.Deferrals,
-			m.Rescheduled, m.LeaseLost, m.Refused, m.Claimed, m.Orphans, m.Duplicates, m.Backlog,
+			m.Rescheduled, m.LeaseLost, m.Refused, m.Claimed, m.Orphans, m.Duplicates, m.LifetimeExceeded, m.Backlog,
 			m.StalePlanned, m.OldestUnknown, m.Breaker, m.DBErrors, m.WritesRefused, m.WritesBlocked, m.ClockSkew, m.ControlOK)
 	}
 	return m

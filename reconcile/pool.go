@@ -342,6 +342,10 @@ type Summary struct {
 	DBErrors int
 	// Duplicates counts duplicate alarms raised.
 	Duplicates int
+	// LifetimeExceeded counts settlements of receipts whose agent recorded
+	// an answer after the absence window (an alarm each: see
+	// ReasonLifetimeExceeded).
+	LifetimeExceeded int
 }
 
 func newSummary() Summary {
@@ -1036,7 +1040,7 @@ func (s *session) process(c Claimed) Outcome {
 		if !ok {
 			b = nil
 		}
-		return p.dec.late(now, c, b, lo)
+		return p.dec.voided(now, c, b, p.dec.late(now, c, b, lo))
 	}
 	if !ok {
 		return p.dec.manual(now, c, nil, ReasonNoAdapter)
@@ -1404,6 +1408,7 @@ func (s *session) flush(batch []Outcome) {
 				p.log.Warn("duplicate detected", "receipt_id", o.ID, "dependency", o.Dependency,
 					"adapter", o.Adapter, "matches", len(o.Duplicates))
 			}
+			s.lifetimeAlarm(o)
 			p.log.Info("receipt settled", "receipt_id", o.ID, "dependency", o.Dependency,
 				"state", string(o.To), "reason", o.Detail.Reason, "adapter", o.Adapter)
 		default:

@@ -131,9 +131,12 @@ WITH u AS (
       AND r.state = 'reconciling' AND r.lease_owner = u.lease
       -- An agent that recorded a late 2xx since the claim wins: the row
       -- stays leased and its next claim settles it succeeded (the trigger
-      -- would refuse safe_to_retry and fail the whole batch).
+      -- would refuse safe_to_retry and fail the whole batch). So does one
+      -- that recorded any answer after the absence window the settlement
+      -- declares: its next claim settles it manual_review, lifetime_exceeded.
       AND (u.to_state <> 'safe_to_retry' OR NOT EXISTS (
-          SELECT FROM reconciler.late_outcomes l WHERE l.receipt_id = r.id AND l.outcome = 'succeeded'))
+          SELECT FROM reconciler.late_outcomes l WHERE l.receipt_id = r.id AND l.outcome = 'succeeded')
+          AND reconciler.window_voided_by(r, u.detail -> 'evidence') IS NULL)
     RETURNING r.id
 ), c AS (
     ` + sqlInsertCheckArrays(9, "", "") + `
@@ -353,6 +356,12 @@ WHERE state IN ('planned', 'submitted')`
 // sqlBacklogHeld counts manual_review rows from receipts_held.
 const sqlBacklogHeld = `
 SELECT count(*) FROM reconciler.receipts WHERE state = 'manual_review'`
+
+// sqlLifetimeAlarms counts the alarms of late answers after the absence
+// window (reconciler.lifetime_alarms), per dependency. A small table: one
+// row per such answer, each an incident.
+const sqlLifetimeAlarms = `
+SELECT dependency, count(*), max(detected_at) FROM reconciler.lifetime_alarms GROUP BY dependency ORDER BY dependency`
 
 // sqlDuplicates counts recorded duplicate alarms.
 const sqlDuplicates = `SELECT count(*) FROM reconciler.duplicate_alarms`

@@ -41,6 +41,11 @@ var transitions = map[State][]State{
 	OutcomeUnknown: {Reconciling, ManualReview},
 	Reconciling:    {Succeeded, SafeToRetry, ManualReview},
 	ManualReview:   {Succeeded, SafeToRetry, Rejected, OutcomeUnknown},
+	// A fresh proof (SPEC §5a): a safe_to_retry whose proof no longer
+	// holds (its native key's retention passed) goes back to the
+	// reconciler. The database refuses it once a retry of the receipt is
+	// past planned.
+	SafeToRetry: {OutcomeUnknown},
 }
 
 // Valid reports whether s is one of the eight states.

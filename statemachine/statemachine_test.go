@@ -14,6 +14,7 @@ var legal = map[[2]State]bool{
 	{Reconciling, Succeeded}: true, {Reconciling, SafeToRetry}: true, {Reconciling, ManualReview}: true,
 	{ManualReview, Succeeded}: true, {ManualReview, SafeToRetry}: true,
 	{ManualReview, Rejected}: true, {ManualReview, OutcomeUnknown}: true,
+	{SafeToRetry, OutcomeUnknown}: true, // a fresh proof (SPEC §5a)
 }
 
 // Legal reports whether the spec allows from -> to for some actor.
@@ -73,7 +74,7 @@ func TestParseState(t *testing.T) {
 
 func TestUnresolvedAndTerminal(t *testing.T) {
 	unresolved := map[State]bool{Submitted: true, OutcomeUnknown: true, Reconciling: true, ManualReview: true}
-	terminal := map[State]bool{Succeeded: true, SafeToRetry: true, Rejected: true}
+	terminal := map[State]bool{Succeeded: true, Rejected: true}
 	for _, s := range States() {
 		if s.Unresolved() != unresolved[s] {
 			t.Errorf("%s.Unresolved() = %v", s, s.Unresolved())

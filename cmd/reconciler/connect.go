@@ -9,6 +9,8 @@ import (
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/urfave/cli/v2"
+
+	"github.com/receiptledger/reconciler/ledger"
 )
 
 // openDatabase parses --database-url and makes the command's pool. A URL
@@ -21,6 +23,23 @@ func openDatabase(ctx context.Context, cmd, url string) (*pgxpool.Pool, error) {
 	if err != nil {
 		return nil, err
 	}
+	pool, err := pgxpool.NewWithConfig(ctx, cfg)
+	if err != nil {
+		return nil, cli.Exit(fmt.Sprintf("%s: %v", cmd, err), 1)
+	}
+	return pool, nil
+}
+
+// openLedgerPool is openDatabase for the commands that write the ledger
+// (run, gateway): the pool is configured by ledger.ConfigurePool, which
+// watches the server's warnings (a submit whose wait for a synchronous
+// standby was canceled is never followed by a send).
+func openLedgerPool(ctx context.Context, cmd, url string) (*pgxpool.Pool, error) {
+	cfg, err := parseDatabaseURL(cmd, url)
+	if err != nil {
+		return nil, err
+	}
+	ledger.ConfigurePool(cfg)
 	pool, err := pgxpool.NewWithConfig(ctx, cfg)
 	if err != nil {
 		return nil, cli.Exit(fmt.Sprintf("%s: %v", cmd, err), 1)

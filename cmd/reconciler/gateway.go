@@ -1,6 +1,7 @@
 package main
 
 import (
+	"encoding/json"
 	"errors"
 	"fmt"
 	"log/slog"
@@ -44,6 +45,7 @@ func gatewayCommand() *cli.Command {
 				Usage: "on SIGTERM/SIGINT, how long calls in flight may finish"},
 			&cli.StringFlag{Name: "log-level", Value: "info", EnvVars: []string{"RECONCILER_LOG_LEVEL"},
 				Usage: "debug, info, warn or error"},
+			requireSyncFlag(),
 		},
 		Action: gatewayAction,
 	}
@@ -63,7 +65,9 @@ func gatewayAction(c *cli.Context) error {
 	if l := c.String("listen"); l != "" {
 		cfg.Listen = l
 	}
-	db, err := openDatabase(ctx, "gateway", c.String("database-url"))
+	// A pool that watches the server's warnings: a submit whose wait for
+	// a synchronous standby was canceled is never followed by a send.
+	db, err := openLedgerPool(ctx, "gateway", c.String("database-url"))
 	if err != nil {
 		return err
 	}
@@ -81,13 +85,25 @@ func gatewayAction(c *cli.Context) error {
 	if client, err = client.SecretKeyFromEnv(os.Getenv); err != nil {
 		return cli.Exit(fmt.Sprintf("gateway: %v", err), 1)
 	}
+	require := c.Bool("require-synchronous-standby")
+	if require {
+		client = client.RequireSynchronousStandby(ledger.DefaultDurabilityRecheck)
+	}
 	reg := prometheus.NewRegistry()
 	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
+	health := newLedgerHealth(db, reg, logger, require)
+	health.check(ctx)
+	go health.run(ctx)
 	g := gateway.New(client, cfg, gateway.Options{Logger: logger, Metrics: gateway.NewMetrics(reg)})
 	metrics := promhttp.HandlerFor(reg, promhttp.HandlerOpts{})
+	ready := gatewayReadyz(health, g)
 	handler := http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		if r.URL.Path == "/metrics" && r.Method == http.MethodGet {
 			metrics.ServeHTTP(w, r)
+			return
+		}
+		if r.URL.Path == "/readyz" && r.Method == http.MethodGet {
+			ready(w, r)
 			return
 		}
 		g.ServeHTTP(w, r)
@@ -105,4 +121,36 @@ func gatewayAction(c *cli.Context) error {
 	}
 	logger.Info("gateway stopped")
 	return nil
+}
+
+// gatewayReadiness is the body of the gateway's /readyz.
+type gatewayReadiness struct {
+	Status string `json:"status"`
+	// Reason says why the gateway is not ready.
+	Reason     string          `json:"reason,omitempty"`
+	Durability *durabilityJSON `json:"durability,omitempty"`
+	// UnrecordedOutcomes counts the calls whose outcome the gateway keeps
+	// because the database did not take it yet (their receipts are
+	// submitted until it does).
+	UnrecordedOutcomes int `json:"unrecorded_outcomes"`
+}
+
+// gatewayReadyz answers GET /readyz: 200 while the gateway can record
+// receipts (the database answers and takes its writes, the schema is
+// current, and with --require-synchronous-standby a synchronous standby
+// confirms commits), 503 otherwise; a JSON body either way. It answers
+// from the last background check, without a round trip.
+func gatewayReadyz(h *ledgerHealth, g *gateway.Gateway) http.HandlerFunc {
+	return func(w http.ResponseWriter, _ *http.Request) {
+		why, d := h.notReady()
+		body := gatewayReadiness{Status: "ready", Reason: why, Durability: d, UnrecordedOutcomes: g.Unrecorded()}
+		status := http.StatusOK
+		if why != "" {
+			body.Status, status = "not ready", http.StatusServiceUnavailable
+		}
+		w.Header().Set("Content-Type", "application/json")
+		w.Header().Set("Cache-Control", "no-store")
+		w.WriteHeader(status)
+		_ = json.NewEncoder(w).Encode(body)
+	}
 }

@@ -25,7 +25,8 @@ var (
 	// readBacklog: `stats`.
 	readBacklog = access{"read the backlog",
 		"reconciler_worker, reconciler_reviewer or reconciler_readonly",
-		`has_table_privilege('reconciler.receipts', 'SELECT') AND has_table_privilege('reconciler.duplicate_alarms', 'SELECT')`}
+		`has_table_privilege('reconciler.receipts', 'SELECT') AND has_table_privilege('reconciler.duplicate_alarms', 'SELECT')
+		 AND has_table_privilege('reconciler.lifetime_alarms', 'SELECT')`}
 	// readLedger: `receipts show`, `review list|show`, `adapters check --receipt|--control`.
 	readLedger = access{"read receipts, their history and evidence",
 		"reconciler_reviewer or reconciler_readonly",

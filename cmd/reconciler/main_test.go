@@ -3,6 +3,7 @@ package main
 import (
 	"bytes"
 	"context"
+	"encoding/json"
 	"fmt"
 	"os"
 	"strings"
@@ -74,5 +75,66 @@ func TestUsageErrors(t *testing.T) {
 		if code != tt.code || strings.Count(strings.TrimSpace(errOut), "\n") > 0 {
 			t.Errorf("%v: exit %d (stderr %q), want %d with a one-line error", tt.args, code, errOut, tt.code)
 		}
+	}
+}
+
+// Issue 19, item 5: `migrate down` below 00004 while a receipt is unsettled
+// is refused with a one-line error that says how many receipts, what the
+// step would drop and how to go on; nothing is rolled back. With
+// --accept-data-loss it goes through.
+func TestMigrateDownKeepsSoundnessData(t *testing.T) {
+	url := pgtest.NewDatabase(t)
+	db := pgtest.Pool(t, url)
+	if _, err := db.Exec(context.Background(), `SELECT reconciler.plan('down:1', 'things.create', 'api', 'POST',
+		'/things', 'sha256:' || repeat('a', 64), '{}', 'agent:test')`); err != nil {
+		t.Fatal(err)
+	}
+	var code int
+	var out, errOut string
+	for code == 0 {
+		code, out, errOut = runCLI(t, "", "migrate", "--database-url", url, "down")
+		if code == 0 && strings.Contains(out, "00004_soundness.sql") {
+			t.Fatalf("down rolled back 00004 with a receipt unsettled: %q", out)
+		}
+	}
+	wantOneLine(t, "down below 00004", code, out, errOut, 1, "1 receipts are unsettled", "late_outcomes",
+		"max_send_delay", "nothing was rolled back", "--accept-data-loss")
+	code, out, errOut = runCLI(t, "", "migrate", "--database-url", url, "down", "--accept-data-loss")
+	if code != 0 || !strings.Contains(out, "rolled back 00004_soundness.sql") {
+		t.Fatalf("down --accept-data-loss: exit %d %q %q", code, out, errOut)
+	}
+}
+
+// Issue 19, item 1: `stats` says how many late answers were recorded after
+// their receipt's absence window, and of which dependencies (a line, and
+// the same in --json).
+func TestStatsLifetimeExceeded(t *testing.T) {
+	url := pgtest.NewDatabase(t)
+	db := pgtest.Pool(t, url)
+	code, out, errOut := runCLI(t, "", "stats", "--database-url", url)
+	if code != 0 || !strings.Contains(out, "lifetime_exceeded=0\n") || strings.Contains(out, "lifetime_exceeded_dependencies") {
+		t.Fatalf("stats with no alarm: exit %d %q %q", code, out, errOut)
+	}
+	if _, err := db.Exec(context.Background(), `INSERT INTO reconciler.lifetime_alarms
+		(receipt_id, late_outcome_id, dependency, operation, outcome, http_status, late_at, window_end)
+		VALUES (1, 1, 'payments', 'charges.create', 'outcome_unknown', 504, now(), now() - interval '1 minute'),
+		       (2, 2, 'payments', 'charges.create', 'succeeded', 201, now(), now() - interval '1 minute')`); err != nil {
+		t.Fatal(err)
+	}
+	code, out, errOut = runCLI(t, "", "stats", "--database-url", url)
+	if code != 0 || !strings.Contains(out, "lifetime_exceeded=2\n") || !strings.Contains(out, "lifetime_exceeded_dependencies=payments\n") {
+		t.Fatalf("stats: exit %d %q %q; want lifetime_exceeded=2 of payments", code, out, errOut)
+	}
+	code, out, errOut = runCLI(t, "", "stats", "--json", "--database-url", url)
+	var got struct {
+		Exceeded int64 `json:"lifetime_exceeded"`
+		ByDep    []struct {
+			Dependency string `json:"dependency"`
+			Count      int64  `json:"count"`
+		} `json:"lifetime_exceeded_by_dependency"`
+	}
+	if err := json.Unmarshal([]byte(out), &got); code != 0 || err != nil || got.Exceeded != 2 || len(got.ByDep) != 1 ||
+		got.ByDep[0].Dependency != "payments" || got.ByDep[0].Count != 2 {
+		t.Fatalf("stats --json: exit %d %q %q (%v): %+v", code, out, errOut, err, got)
 	}
 }

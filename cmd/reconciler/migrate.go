@@ -32,6 +32,11 @@ func migrateCommand() *cli.Command {
 		if _, inURL := cfg.ConnConfig.RuntimeParams["lock_timeout"]; c.IsSet("lock-timeout") || !inURL {
 			cfg.ConnConfig.RuntimeParams["lock_timeout"] = strconv.FormatInt(c.Duration("lock-timeout").Milliseconds(), 10)
 		}
+		if c.Command.Name == "down" && c.Bool("accept-data-loss") {
+			// Read by the Down of 00004, which refuses to drop the late
+			// outcomes and send deadlines of a ledger in use otherwise.
+			cfg.ConnConfig.RuntimeParams["reconciler.accept_down_data_loss"] = "on"
+		}
 		pool, err := pgxpool.NewWithConfig(c.Context, cfg)
 		if err != nil {
 			return cli.Exit(fmt.Sprintf("%s: %v", cmd, err), 1)
@@ -71,6 +76,10 @@ func migrateCommand() *cli.Command {
 				"so agents did not wait behind it; a long transaction holds the ledger's tables (see pg_stat_activity): "+
 				"run it again once that transaction ends, or pass a longer --lock-timeout (0 waits as long as it takes, "+
 				"and every agent waits too)", cmd, which, c.Duration("lock-timeout"), pe.Message), 1)
+		case errors.As(err, &pe) && pe.Code == "RL010": // a Down that would drop soundness data
+			return cli.Exit(fmt.Sprintf("%s: %s, and nothing was rolled back. %s %s", cmd, pe.Message, pe.Detail,
+				"Settle the receipts first (reconciler run, reconciler review), stay at this version, or pass "+
+					"--accept-data-loss to roll back all the same."), 1)
 		case errors.As(err, &pe) && pe.Code == "42501": // insufficient_privilege
 			return cli.Exit(fmt.Sprintf("%s: permission denied: login %q may not change the schema; "+
 				"migrate as the owner of the reconciler schema (the role that first ran `reconciler migrate up`), "+
@@ -121,8 +130,10 @@ func migrateCommand() *cli.Command {
 			},
 			{
 				Name:  "down",
-				Usage: "roll back the most recent migration",
-				Flags: []cli.Flag{databaseURLFlag(), lockTimeoutFlag()},
+				Usage: "roll back the most recent migration (docs/rules-of-time.md lists what each one drops)",
+				Flags: []cli.Flag{databaseURLFlag(), lockTimeoutFlag(),
+					&cli.BoolFlag{Name: "accept-data-loss",
+						Usage: "roll back below 00004 even while receipts are unsettled or late outcomes are kept (they and every send deadline are lost)"}},
 				Action: func(c *cli.Context) error {
 					return withProvider(c, func(p *goose.Provider) error {
 						res, err := p.Down(c.Context)

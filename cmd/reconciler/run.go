@@ -16,7 +16,6 @@ import (
 	"text/tabwriter"
 	"time"
 
-	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/collectors"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
@@ -25,7 +24,6 @@ import (
 
 	"github.com/receiptledger/reconciler/internal/dbclock"
 	"github.com/receiptledger/reconciler/internal/protect"
-	"github.com/receiptledger/reconciler/migrations"
 	"github.com/receiptledger/reconciler/readback"
 	"github.com/receiptledger/reconciler/readback/httpadapter"
 	"github.com/receiptledger/reconciler/reconcile"
@@ -78,6 +76,7 @@ func runFlags() []cli.Flag {
 			Usage: "serve /metrics, /healthz and /readyz on this address (e.g. :9090); empty: off"},
 		&cli.StringFlag{Name: "log-level", Value: "info", EnvVars: []string{"RECONCILER_LOG_LEVEL"},
 			Usage: "debug, info, warn or error"},
+		requireSyncFlag(),
 	}
 }
 
@@ -151,7 +150,7 @@ func runAction(c *cli.Context) error {
 		return cli.Exit(fmt.Sprintf("run: %v", err), 2) // the flags
 	}
 
-	db, err := openDatabase(ctx, "run", c.String("database-url"))
+	db, err := openLedgerPool(ctx, "run", c.String("database-url"))
 	if err != nil {
 		return err
 	}
@@ -186,6 +185,11 @@ func runAction(c *cli.Context) error {
 	promReg := prometheus.NewRegistry()
 	promReg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	metrics := reconcile.NewMetrics(promReg)
+	// What a commit means and whether this process can write the ledger,
+	// logged now and re-read in the background for /readyz and metrics.
+	health := newLedgerHealth(db, promReg, logger, c.Bool("require-synchronous-standby"))
+	health.check(ctx)
+	go health.run(ctx)
 	cfg := reconcile.Config{
 		Instance:          instance,
 		Clock:             clock,
@@ -212,7 +216,7 @@ func runAction(c *cli.Context) error {
 	}
 
 	if addr := c.String("metrics-addr"); addr != "" {
-		srv, err := serveHTTP(addr, db, promReg, logger, pool.AdapterHealth, pool.WritesRefused)
+		srv, err := serveHTTP(addr, health, promReg, logger, pool.AdapterHealth, pool.WritesRefused)
 		if err != nil {
 			return cli.Exit(fmt.Sprintf("run: --metrics-addr: %v", err), 1)
 		}
@@ -471,6 +475,7 @@ func printSummary(w io.Writer, s reconcile.Summary) {
 	fmt.Fprintf(w, "deferred=%d\n", s.Deferred)
 	fmt.Fprintf(w, "orphans=%d\n", s.Orphans)
 	fmt.Fprintf(w, "duplicates=%d\n", s.Duplicates)
+	fmt.Fprintf(w, "lifetime_exceeded=%d\n", s.LifetimeExceeded)
 	fmt.Fprintf(w, "check_errors=%d\n", s.CheckErrors)
 	fmt.Fprintf(w, "lease_lost=%d\n", s.LeaseLost)
 	fmt.Fprintf(w, "refused=%d\n", s.Refused)
@@ -483,17 +488,21 @@ func printSummary(w io.Writer, s reconcile.Summary) {
 // unready: it still settles what it can prove.
 type readiness struct {
 	Status string `json:"status"`
+	// Durability is what a commit on the ledger's server means.
+	Durability *durabilityJSON `json:"durability,omitempty"`
 	// UnhealthyAdapters lists the adapters whose control is failing, has
 	// not run yet, or has none to run.
 	UnhealthyAdapters []reconcile.AdapterHealth `json:"unhealthy_adapters"`
 }
 
 // serveHTTP serves /metrics, /healthz (the process is alive) and /readyz
-// (the database answers, its schema is current, and it does not refuse
-// the reconciler's writes as such, from refused: a role without a grant;
-// the body lists the adapters whose positive control has not passed, from
-// health). health and refused may be nil.
-func serveHTTP(addr string, db *pgxpool.Pool, reg *prometheus.Registry, logger *slog.Logger,
+// (from lh's last check: the database answers, this process can write it
+// now, its schema is current, and with --require-synchronous-standby a
+// synchronous standby confirms commits; and it does not refuse the
+// reconciler's writes as such, from refused: a role without a grant; the
+// body says what a commit means and lists the adapters whose positive
+// control has not passed, from health). health and refused may be nil.
+func serveHTTP(addr string, lh *ledgerHealth, reg *prometheus.Registry, logger *slog.Logger,
 	health func() []reconcile.AdapterHealth, refused func() error) (*http.Server, error) {
 	mux := http.NewServeMux()
 	mux.Handle("GET /metrics", promhttp.HandlerFor(reg, promhttp.HandlerOpts{}))
@@ -501,14 +510,9 @@ func serveHTTP(addr string, db *pgxpool.Pool, reg *prometheus.Registry, logger *
 		fmt.Fprintln(w, "ok")
 	})
 	mux.HandleFunc("GET /readyz", func(w http.ResponseWriter, r *http.Request) {
-		ctx, cancel := context.WithTimeout(r.Context(), 3*time.Second)
-		defer cancel()
-		if err := db.Ping(ctx); err != nil {
-			http.Error(w, "database unreachable", http.StatusServiceUnavailable)
-			return
-		}
-		if err := migrations.Check(ctx, db); err != nil {
-			http.Error(w, "database schema not current: "+err.Error(), http.StatusServiceUnavailable)
+		why, durability := lh.notReady()
+		if why != "" {
+			http.Error(w, why, http.StatusServiceUnavailable)
 			return
 		}
 		if refused != nil {
@@ -517,7 +521,7 @@ func serveHTTP(addr string, db *pgxpool.Pool, reg *prometheus.Registry, logger *
 				return
 			}
 		}
-		body := readiness{Status: "ready", UnhealthyAdapters: []reconcile.AdapterHealth{}}
+		body := readiness{Status: "ready", Durability: durability, UnhealthyAdapters: []reconcile.AdapterHealth{}}
 		if health != nil {
 			for _, h := range health() {
 				if !h.OK {

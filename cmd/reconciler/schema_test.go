@@ -177,7 +177,10 @@ func readyz(t *testing.T, url string, refused func() error) string {
 	}
 	addr := l.Addr().String()
 	l.Close()
-	srv, err := serveHTTP(addr, pgtest.Pool(t, url), prometheus.NewRegistry(), slog.New(slog.NewTextHandler(io.Discard, nil)), nil, refused)
+	logger := slog.New(slog.NewTextHandler(io.Discard, nil))
+	lh := newLedgerHealth(pgtest.Pool(t, url), nil, logger, false)
+	lh.check(context.Background())
+	srv, err := serveHTTP(addr, lh, prometheus.NewRegistry(), logger, nil, refused)
 	if err != nil {
 		t.Fatal(err)
 	}

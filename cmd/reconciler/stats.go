@@ -2,17 +2,19 @@ package main
 
 import (
 	"fmt"
+	"strings"
 	"time"
 
 	"github.com/urfave/cli/v2"
 
+	"github.com/receiptledger/reconciler/ledger"
 	"github.com/receiptledger/reconciler/reconcile"
 )
 
 func statsCommand() *cli.Command {
 	return &cli.Command{
 		Name:  "stats",
-		Usage: "print the reconciler's backlog: receipts per non-terminal state, stale planned, orphans, oldest unknown, duplicates",
+		Usage: "print the reconciler's backlog: receipts per non-terminal state, stale planned, orphans, oldest unknown, duplicates, late answers after the absence window",
 		Flags: []cli.Flag{
 			databaseURLFlag(),
 			&cli.DurationFlag{Name: "stale-planned-after", Value: time.Hour, EnvVars: []string{"RECONCILER_STALE_PLANNED_AFTER"},
@@ -38,6 +40,19 @@ func statsCommand() *cli.Command {
 			if err != nil {
 				return dbFailure("stats", db, err, readBacklog)
 			}
+			alarms, err := store.LifetimeAlarms(c.Context)
+			if err != nil {
+				return dbFailure("stats", db, err, readBacklog)
+			}
+			if alarms == nil {
+				alarms = []reconcile.LifetimeAlarms{}
+			}
+			var exceeded int64
+			deps := make([]string, 0, len(alarms))
+			for _, a := range alarms {
+				exceeded += a.Count
+				deps = append(deps, a.Dependency)
+			}
 			fields := []struct {
 				name  string
 				value any
@@ -49,17 +64,33 @@ func statsCommand() *cli.Command {
 				{"oldest_outcome_unknown_age_s", int64(b.OldestUnknownAge.Seconds())},
 				{"oldest_unsettled_age_s", int64(b.OldestUnsettledAge.Seconds())},
 				{"duplicates_detected", b.Duplicates},
+				// Late answers recorded after their receipt's absence
+				// window (SPEC §5a): an alarm on each dependency named.
+				{"lifetime_exceeded", exceeded},
 			}
+			// What a commit on this server means (docs/failover.md).
+			d, err := ledger.ReadDurability(c.Context, db)
+			if err != nil {
+				return dbFailure("stats", db, err, readBacklog)
+			}
+			fields = append(fields, []struct {
+				name  string
+				value any
+			}{{"durability", d.Mode}, {"synchronous_standbys", d.Synchronous}, {"asynchronous_standbys", d.Asynchronous}}...)
 			if c.Bool("json") {
-				m := make(map[string]any, len(fields))
+				m := make(map[string]any, len(fields)+1)
 				for _, f := range fields {
 					m[f.name] = f.value
 				}
+				m["lifetime_exceeded_by_dependency"] = alarms
 				return writeJSON(c.App.Writer, m)
 			}
 			scr := newScreen(c.App.Writer)
 			for _, f := range fields {
 				scr.Printf("%s=%v\n", f.name, f.value)
+			}
+			if exceeded > 0 {
+				scr.Printf("lifetime_exceeded_dependencies=%s\n", strings.Join(deps, ","))
 			}
 			return nil
 		},

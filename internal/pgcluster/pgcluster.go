@@ -32,6 +32,12 @@ type Cluster struct {
 // listening on a free loopback port. Postgres refuses to run as root, so as
 // root the server runs as the postgres user.
 func Start() (*Cluster, error) {
+	return StartWith()
+}
+
+// StartWith is Start with extra server settings, each "name=value" (passed
+// as -c name=value), e.g. "synchronous_standby_names=standby".
+func StartWith(settings ...string) (*Cluster, error) {
 	bin, err := findServerBin()
 	if err != nil {
 		return nil, err
@@ -66,7 +72,7 @@ func Start() (*Cluster, error) {
 		os.RemoveAll(dir)
 		return nil, err
 	}
-	c.opts = fmt.Sprintf("-p %d -k %s -c listen_addresses=127.0.0.1 -c max_connections=300 -c shared_buffers=256MB", port, dir)
+	c.opts = serverOptions(port, dir, settings)
 	if err := c.Resume(); err != nil {
 		os.RemoveAll(dir)
 		return nil, err

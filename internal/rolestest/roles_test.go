@@ -716,7 +716,7 @@ func TestReadonly(t *testing.T) {
 	}
 	r := unknown(t, agent, "ro:1", "blog-api")
 	for _, table := range []string{"receipts", "receipt_events", "readback_checks", "duplicate_alarms",
-		"late_outcomes", "dependency_breakers", "goose_db_version"} {
+		"late_outcomes", "lifetime_alarms", "dependency_breakers", "goose_db_version"} {
 		if _, err := ro.Exec(ctx, `SELECT count(*) FROM reconciler.`+table); err != nil {
 			t.Errorf("readonly: read %s: %v", table, err)
 		}
