@@ -9,7 +9,8 @@
 #                      start a throwaway cluster; nothing has to run), unless
 #                      RECONCILER_TEST_DATABASE_URL names a server to use
 #   python3, node, tsc the gateway's example agents (examples/)
-#   chromium           the review UI's browser tests
+#   chromium           the review UI's browser tests (or RECONCILER_CHROMIUM
+#                      naming a Chrome or Chromium binary)
 #   pg_auto_failover   the failover test (integration/failover_test.go): the
 #                      PostgreSQL 15 extension and pg_autoctl
 set -euo pipefail
@@ -32,8 +33,7 @@ fi
 need python3 python3
 need node nodejs
 need tsc node-typescript
-if ! command -v chromium >/dev/null 2>&1 && ! command -v chromium-browser >/dev/null 2>&1 &&
-   ! command -v google-chrome >/dev/null 2>&1; then
+if [ -z "${RECONCILER_CHROMIUM:-}" ] && ! command -v chromium >/dev/null 2>&1; then
   missing+=(chromium)
 fi
 

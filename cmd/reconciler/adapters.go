@@ -86,6 +86,9 @@ func adaptersCheckAction(c *cli.Context) error {
 		}
 		bindings = reg.Bindings()
 	}
+	if err := printWindows(c.Context, out, db, url, bindings); err != nil {
+		return err
+	}
 	failed := 0
 	if c.Bool("control") {
 		failed = runControls(c.Context, out, db, bindings, c.Duration("timeout"))
@@ -292,6 +295,10 @@ func explain(ctx context.Context, w *screen, db *pgxpool.Pool, reg *readback.Reg
 	if b.Kind == readback.Blind {
 		w.Printf("decision: manual_review (blind): the endpoint cannot be read back\n")
 		return nil
+	}
+	b, err := effectiveBinding(ctx, w, db, b)
+	if err != nil {
+		return err
 	}
 	cctx, cancel := context.WithTimeout(ctx, timeout)
 	res, err := b.Adapter.Check(cctx, r)

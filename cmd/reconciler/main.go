@@ -94,6 +94,7 @@ func newApp(stdin io.Reader, stdout, stderr io.Writer) *cli.App {
 			benchCommand(),
 			adaptersCommand(),
 			reviewCommand(),
+			uiCommand(),
 			receiptsCommand(),
 			versionCommand(),
 			rolesCommand(),

@@ -96,13 +96,24 @@ func reviewListAction(c *cli.Context) error {
 	if err != nil {
 		return dbFailure(cmd, pool, err, readLedger)
 	}
+	contradicted, err := review.Contradicted(c.Context, pool, review.Filter{
+		Operation: c.String("operation"), Dependency: c.String("dependency"),
+		OlderThan: olderThan, Limit: c.Int("limit"),
+	})
+	if err != nil {
+		return dbFailure(cmd, pool, err, readLedger)
+	}
 	if c.Bool("json") {
 		if held == nil {
 			held = []review.Held{}
 		}
+		for _, x := range contradicted {
+			held = append(held, x.AsHeld())
+		}
 		return writeJSON(c.App.Writer, held)
 	}
 	scr := newScreen(c.App.Writer)
+	defer printContradicted(scr, contradicted)
 	if len(held) == 0 {
 		if c.IsSet("operation") || c.IsSet("dependency") || olderThan > 0 {
 			scr.Printf("no receipts match: none held in manual_review has the operation, dependency or age asked for\n")
@@ -307,6 +318,7 @@ func printTimeline(w *screen, t *review.Timeline) {
 		line("extra", compact(e.Extra))
 		line("external id", e.ExternalID)
 	}
+	printAudits(w, t.Audits)
 }
 
 // compact prints a JSON value on one line, "" for none.

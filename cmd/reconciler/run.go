@@ -36,7 +36,7 @@ var flagDefaults = protect.DefaultPolicy()
 
 // runFlags are the flags of run.
 func runFlags() []cli.Flag {
-	return []cli.Flag{
+	return append([]cli.Flag{
 		databaseURLFlag(),
 		&cli.StringFlag{Name: "adapters", EnvVars: []string{"RECONCILER_ADAPTERS"},
 			Usage: "adapters file (YAML); required unless --no-adapters"},
@@ -77,7 +77,7 @@ func runFlags() []cli.Flag {
 		&cli.StringFlag{Name: "log-level", Value: "info", EnvVars: []string{"RECONCILER_LOG_LEVEL"},
 			Usage: "debug, info, warn or error"},
 		requireSyncFlag(),
-	}
+	}, auditFlags()...)
 }
 
 func runCommand() *cli.Command {
@@ -204,6 +204,7 @@ func runAction(c *cli.Context) error {
 		OrphanTimeout:     c.Duration("orphan-timeout"),
 		StalePlannedAfter: c.Duration("stale-planned-after"),
 		GracePeriod:       c.Duration("grace-period"),
+		Audits:            auditConfig(c),
 	}
 	guard, err := protect.New(protect.NewPGStore(db), pcfg, clock, logger)
 	if err != nil {
