@@ -13,6 +13,10 @@
 --   reconciler_readonly  stats and dashboards (`reconciler stats`): reads the
 --                        ledger, the reconciler's records and the schema
 --                        version, writes nothing.
+--   reconciler_retention `reconciler archive` (package retention): reads what
+--                        it exports and removes settled receipts and their
+--                        history only through the removal functions of
+--                        migration 00020 (docs/retention.md).
 --
 -- Apply it as the owner of the schema (whoever ran `reconciler migrate up`),
 -- after every migration; it is idempotent and converges, so running it again
@@ -124,7 +128,7 @@ DECLARE
     r text;
 BEGIN
     FOREACH r IN ARRAY ARRAY['reconciler_agent', 'reconciler_worker', 'reconciler_reviewer',
-                             'reconciler_readonly'] LOOP
+                             'reconciler_readonly', 'reconciler_retention'] LOOP
         IF NOT EXISTS (SELECT FROM pg_catalog.pg_roles WHERE rolname = r) THEN
             BEGIN
                 EXECUTE format('CREATE ROLE %I NOLOGIN', r);
@@ -140,19 +144,23 @@ $$;
 -- the grants below (revoking a table privilege revokes its column
 -- privileges too).
 REVOKE ALL ON SCHEMA reconciler
-    FROM PUBLIC, reconciler_agent, reconciler_worker, reconciler_reviewer, reconciler_readonly;
+    FROM PUBLIC, reconciler_agent, reconciler_worker, reconciler_reviewer, reconciler_readonly,
+         reconciler_retention;
 REVOKE ALL ON ALL TABLES IN SCHEMA reconciler
-    FROM PUBLIC, reconciler_agent, reconciler_worker, reconciler_reviewer, reconciler_readonly;
+    FROM PUBLIC, reconciler_agent, reconciler_worker, reconciler_reviewer, reconciler_readonly,
+         reconciler_retention;
 REVOKE ALL ON ALL SEQUENCES IN SCHEMA reconciler
-    FROM PUBLIC, reconciler_agent, reconciler_worker, reconciler_reviewer, reconciler_readonly;
+    FROM PUBLIC, reconciler_agent, reconciler_worker, reconciler_reviewer, reconciler_readonly,
+         reconciler_retention;
 -- Functions are executable by PUBLIC by default; here each role gets only
 -- the ones it calls. (Trigger functions need no EXECUTE to fire, and cannot
 -- be called directly.)
 REVOKE ALL ON ALL FUNCTIONS IN SCHEMA reconciler
-    FROM PUBLIC, reconciler_agent, reconciler_worker, reconciler_reviewer, reconciler_readonly;
+    FROM PUBLIC, reconciler_agent, reconciler_worker, reconciler_reviewer, reconciler_readonly,
+         reconciler_retention;
 
 GRANT USAGE ON SCHEMA reconciler
-    TO reconciler_agent, reconciler_worker, reconciler_reviewer, reconciler_readonly;
+    TO reconciler_agent, reconciler_worker, reconciler_reviewer, reconciler_readonly, reconciler_retention;
 
 -- transition_error explains a refused move inside receipts_before_update,
 -- which runs with the rights of whoever moves the receipt.
@@ -164,7 +172,7 @@ GRANT EXECUTE ON FUNCTION reconciler.transition_error(text, text, text)
 -- (`run`, `/readyz`, `stats`, `review`, `receipts show`, `adapters check`),
 -- and an agent may do the same at start-up.
 GRANT SELECT ON reconciler.goose_db_version
-    TO reconciler_agent, reconciler_worker, reconciler_reviewer, reconciler_readonly;
+    TO reconciler_agent, reconciler_worker, reconciler_reviewer, reconciler_readonly, reconciler_retention;
 
 -- reconciler_agent: plan (reconciler.plan, which runs with the caller's
 -- rights: it reads receipt_keys and receipts, locks a retried receipt FOR
@@ -263,7 +271,26 @@ GRANT SELECT ON reconciler.receipts, reconciler.receipt_events, reconciler.readb
                 reconciler.duplicate_alarms, reconciler.late_outcomes, reconciler.lifetime_alarms,
                 reconciler.dependency_breakers, reconciler.gateway_responses,
                 reconciler.webhook_receipts, reconciler.webhook_deliveries,
-                reconciler.verdict_audits, reconciler.window_alarms, reconciler.audit_queue
+                reconciler.verdict_audits, reconciler.window_alarms, reconciler.audit_queue,
+                reconciler.retention_batches, reconciler.removed_receipts
     TO reconciler_readonly;
+
+-- reconciler_retention: `reconciler archive`. Chooses with
+-- retention_keep_reason, reads every row it exports, and removes only
+-- through retention_remove_receipts and retention_remove_history (SECURITY
+-- DEFINER, migration 00020): they re-check every guarantee under a row
+-- lock, record the batch, and refuse unless the rows deleted are the rows
+-- exported. It holds no DELETE, UPDATE or INSERT on any table, and no
+-- other role may call the removal functions.
+GRANT EXECUTE ON FUNCTION
+    reconciler.retention_keep_reason(reconciler.receipts, timestamptz, interval),
+    reconciler.retention_remove_receipts(bigint[], text, text, timestamptz, interval, jsonb),
+    reconciler.retention_remove_history(bigint, text, text, jsonb)
+    TO reconciler_retention;
+GRANT SELECT ON reconciler.receipts, reconciler.receipt_events, reconciler.readback_checks,
+                reconciler.late_outcomes, reconciler.duplicate_alarms, reconciler.lifetime_alarms,
+                reconciler.gateway_responses, reconciler.webhook_receipts, reconciler.webhook_deliveries,
+                reconciler.retention_batches, reconciler.removed_receipts
+    TO reconciler_retention;
 
 COMMIT;

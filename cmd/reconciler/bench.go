@@ -23,7 +23,7 @@ func benchCommand() *cli.Command {
 	return &cli.Command{
 		Name:  "bench",
 		Usage: "measure the ledger and the reconciler on a throwaway database",
-		Subcommands: []*cli.Command{benchLedgerCommand(), benchConsistencyCommand(), benchGatewayCommand(), benchBacklogCommand(), {
+		Subcommands: []*cli.Command{benchLedgerCommand(), benchConsistencyCommand(), benchGatewayCommand(), benchBacklogCommand(), benchScaleCommand(), {
 			Name: "settle",
 			Usage: "fill N due receipts, settle them with one instance and a no-op adapter that " +
 				"answers present, print settled_per_s and peak_rss_mb",
