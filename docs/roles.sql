@@ -8,15 +8,21 @@
 --                        claims, settles and sweeps receipts, appends readback
 --                        checks and duplicate alarms, shares breaker state.
 --   reconciler_reviewer  people resolving manual_review (package review,
---                        `reconciler review`, `reconciler receipts show`).
+--                        `reconciler review`, `reconciler receipts show`,
+--                        `reconciler ui`).
 --   reconciler_readonly  stats and dashboards (`reconciler stats`): reads the
 --                        ledger, the reconciler's records and the schema
 --                        version, writes nothing.
+--   reconciler_retention `reconciler archive` (package retention): reads what
+--                        it exports and removes settled receipts and their
+--                        history only through the removal functions of
+--                        migration 00020 (docs/retention.md).
 --
 -- Apply it as the owner of the schema (whoever ran `reconciler migrate up`),
 -- after every migration; it is idempotent and converges, so running it again
 -- resets the grants below:
 --
+--   reconciler roles apply     (the binary embeds this file)
 --   psql -v ON_ERROR_STOP=1 "$RECONCILER_DATABASE_URL" -f docs/roles.sql
 --
 -- Creating roles needs CREATEROLE (or a superuser) once per server; roles are
@@ -37,8 +43,9 @@
 --     DEFINER (migration 00001): they run with the rights of their owner, the
 --     migrating role, which must therefore stay the owner of those functions
 --     and of the two tables.
---   * No role has UPDATE, DELETE or TRUNCATE on readback_checks or
---     duplicate_alarms; only the worker may append to them.
+--   * No role has UPDATE, DELETE or TRUNCATE on readback_checks,
+--     duplicate_alarms, verdict_audits or window_alarms; only the worker may
+--     append to them.
 --   * UPDATE on receipts is granted on the state columns a component moves,
 --     never on the intent (operation, dependency, method, target, intent,
 --     pre_image, fingerprint, idempotency_key, created_at, attempt,
@@ -122,7 +129,7 @@ DECLARE
     r text;
 BEGIN
     FOREACH r IN ARRAY ARRAY['reconciler_agent', 'reconciler_worker', 'reconciler_reviewer',
-                             'reconciler_readonly'] LOOP
+                             'reconciler_readonly', 'reconciler_retention'] LOOP
         IF NOT EXISTS (SELECT FROM pg_catalog.pg_roles WHERE rolname = r) THEN
             BEGIN
                 EXECUTE format('CREATE ROLE %I NOLOGIN', r);
@@ -138,19 +145,23 @@ $$;
 -- the grants below (revoking a table privilege revokes its column
 -- privileges too).
 REVOKE ALL ON SCHEMA reconciler
-    FROM PUBLIC, reconciler_agent, reconciler_worker, reconciler_reviewer, reconciler_readonly;
+    FROM PUBLIC, reconciler_agent, reconciler_worker, reconciler_reviewer, reconciler_readonly,
+         reconciler_retention;
 REVOKE ALL ON ALL TABLES IN SCHEMA reconciler
-    FROM PUBLIC, reconciler_agent, reconciler_worker, reconciler_reviewer, reconciler_readonly;
+    FROM PUBLIC, reconciler_agent, reconciler_worker, reconciler_reviewer, reconciler_readonly,
+         reconciler_retention;
 REVOKE ALL ON ALL SEQUENCES IN SCHEMA reconciler
-    FROM PUBLIC, reconciler_agent, reconciler_worker, reconciler_reviewer, reconciler_readonly;
+    FROM PUBLIC, reconciler_agent, reconciler_worker, reconciler_reviewer, reconciler_readonly,
+         reconciler_retention;
 -- Functions are executable by PUBLIC by default; here each role gets only
 -- the ones it calls. (Trigger functions need no EXECUTE to fire, and cannot
 -- be called directly.)
 REVOKE ALL ON ALL FUNCTIONS IN SCHEMA reconciler
-    FROM PUBLIC, reconciler_agent, reconciler_worker, reconciler_reviewer, reconciler_readonly;
+    FROM PUBLIC, reconciler_agent, reconciler_worker, reconciler_reviewer, reconciler_readonly,
+         reconciler_retention;
 
 GRANT USAGE ON SCHEMA reconciler
-    TO reconciler_agent, reconciler_worker, reconciler_reviewer, reconciler_readonly;
+    TO reconciler_agent, reconciler_worker, reconciler_reviewer, reconciler_readonly, reconciler_retention;
 
 -- transition_error explains a refused move inside receipts_before_update,
 -- which runs with the rights of whoever moves the receipt.
@@ -162,7 +173,7 @@ GRANT EXECUTE ON FUNCTION reconciler.transition_error(text, text, text)
 -- (`run`, `/readyz`, `stats`, `review`, `receipts show`, `adapters check`),
 -- and an agent may do the same at start-up.
 GRANT SELECT ON reconciler.goose_db_version
-    TO reconciler_agent, reconciler_worker, reconciler_reviewer, reconciler_readonly;
+    TO reconciler_agent, reconciler_worker, reconciler_reviewer, reconciler_readonly, reconciler_retention;
 
 -- reconciler_agent: plan (reconciler.plan, which runs with the caller's
 -- rights: it reads receipt_keys and receipts, locks a retried receipt FOR
@@ -213,12 +224,9 @@ GRANT UPDATE (attempts, last_status, last_error, last_attempt_at, next_attempt_a
 -- safe_to_retry).
 GRANT SELECT ON reconciler.receipts, reconciler.readback_checks, reconciler.duplicate_alarms,
     reconciler.late_outcomes, reconciler.lifetime_alarms TO reconciler_worker;
--- Its settlement skips a safe_to_retry whose window a late answer voids
--- (migration 00014); the trigger that refuses one and keeps the alarm
--- (reconciler.lifetime_alarms) runs as the table's owner.
-GRANT EXECUTE ON FUNCTION reconciler.absence_window_end(reconciler.receipts, jsonb),
-    reconciler.window_voided_by(reconciler.receipts, jsonb)
-    TO reconciler_worker;
+-- (The trigger that refuses a safe_to_retry whose window a late answer
+-- voids, and keeps the alarm in reconciler.lifetime_alarms, runs as the
+-- table's owner: migration 00014.)
 GRANT UPDATE (state, state_actor, state_detail, external_id, lease_owner, lease_expires_at,
               next_check_at, check_count, last_check_transient, wait_count)
     ON reconciler.receipts TO reconciler_worker;
@@ -228,14 +236,30 @@ GRANT INSERT (receipt_id, check_no, at, instance, adapter, dependency, verdict, 
 GRANT INSERT (receipt_id, detected_at, instance, adapter, dependency, external_ids)
     ON reconciler.duplicate_alarms TO reconciler_worker;
 GRANT SELECT, INSERT, UPDATE ON reconciler.dependency_breakers TO reconciler_worker;
+-- Verdict audits (migration 00015, docs/verdict-audits.md): the worker
+-- claims the absences the settlement trigger queued, deletes each once its
+-- audit is recorded, appends the audits and the window alarms (whose rows
+-- are the dependencies' effective windows, read back by every replica).
+GRANT SELECT, UPDATE (lease_owner, lease_expires_at, attempts, not_before), DELETE
+    ON reconciler.audit_queue TO reconciler_worker;
+GRANT SELECT ON reconciler.verdict_audits, reconciler.window_alarms TO reconciler_worker;
+GRANT INSERT (receipt_id, dependency, operation, adapter, settled_state, settled_at, at, instance,
+              verdict, matches, retries, observed_lag, evidence)
+    ON reconciler.verdict_audits TO reconciler_worker;
+GRANT INSERT (at, instance, dependency, adapter, operation, receipt_id, kind, declared, observed,
+              effective_before, effective_after, evidence)
+    ON reconciler.window_alarms TO reconciler_worker;
 
 -- reconciler_reviewer: read receipts, their history and the evidence the
 -- reconciler gathered, and move held receipts as a human (ledger's UPDATE,
--- or reconciler.transition). It cannot create receipts.
+-- or reconciler.transition). It cannot create receipts. It reads the shared
+-- breaker state too, for the summary bar of `reconciler ui`.
 GRANT EXECUTE ON FUNCTION reconciler.transition(bigint, text, text, jsonb, text, text)
     TO reconciler_reviewer;
 GRANT SELECT ON reconciler.receipts, reconciler.receipt_events, reconciler.readback_checks,
-                reconciler.duplicate_alarms, reconciler.late_outcomes, reconciler.lifetime_alarms
+                reconciler.duplicate_alarms, reconciler.late_outcomes, reconciler.lifetime_alarms,
+                reconciler.dependency_breakers,
+                reconciler.verdict_audits, reconciler.window_alarms, reconciler.audit_queue
     TO reconciler_reviewer;
 GRANT UPDATE (state, state_actor, state_detail, external_id)
     ON reconciler.receipts TO reconciler_reviewer;
@@ -247,7 +271,27 @@ GRANT UPDATE (state, state_actor, state_detail, external_id)
 GRANT SELECT ON reconciler.receipts, reconciler.receipt_events, reconciler.readback_checks,
                 reconciler.duplicate_alarms, reconciler.late_outcomes, reconciler.lifetime_alarms,
                 reconciler.dependency_breakers, reconciler.gateway_responses,
-                reconciler.webhook_receipts, reconciler.webhook_deliveries
+                reconciler.webhook_receipts, reconciler.webhook_deliveries,
+                reconciler.verdict_audits, reconciler.window_alarms, reconciler.audit_queue,
+                reconciler.retention_batches, reconciler.removed_receipts
     TO reconciler_readonly;
+
+-- reconciler_retention: `reconciler archive`. Chooses with
+-- retention_keep_reason, reads every row it exports, and removes only
+-- through retention_remove_receipts and retention_remove_history (SECURITY
+-- DEFINER, migration 00020): they re-check every guarantee under a row
+-- lock, record the batch, and refuse unless the rows deleted are the rows
+-- exported. It holds no DELETE, UPDATE or INSERT on any table, and no
+-- other role may call the removal functions.
+GRANT EXECUTE ON FUNCTION
+    reconciler.retention_keep_reason(reconciler.receipts, timestamptz, interval),
+    reconciler.retention_remove_receipts(bigint[], text, text, timestamptz, interval, jsonb),
+    reconciler.retention_remove_history(bigint, text, text, jsonb)
+    TO reconciler_retention;
+GRANT SELECT ON reconciler.receipts, reconciler.receipt_events, reconciler.readback_checks,
+                reconciler.late_outcomes, reconciler.duplicate_alarms, reconciler.lifetime_alarms,
+                reconciler.gateway_responses, reconciler.webhook_receipts, reconciler.webhook_deliveries,
+                reconciler.retention_batches, reconciler.removed_receipts
+    TO reconciler_retention;
 
 COMMIT;

@@ -536,7 +536,10 @@ func matchPath(pattern, segs []string) bool {
 // hasDotSegment reports whether an escaped path holds a "." or ".."
 // segment, in any encoding, also once an encoded slash or backslash in it
 // is taken for a separator (as many servers and frameworks in front of an
-// API do): forwarded, it could leave the upstream's base path.
+// API do), and also once matrix parameters are cut from it (Tomcat, Jetty
+// and Spring strip ";params" from a segment before resolving dot segments,
+// so "..;x" is ".." to them): forwarded, it could leave the upstream's base
+// path.
 func hasDotSegment(escaped string) bool {
 	for _, seg := range strings.Split(escaped, "/") {
 		s, err := url.PathUnescape(seg)
@@ -544,6 +547,7 @@ func hasDotSegment(escaped string) bool {
 			return true
 		}
 		for _, part := range strings.FieldsFunc(s, func(r rune) bool { return r == '/' || r == '\\' }) {
+			part, _, _ = strings.Cut(part, ";")
 			if part == "." || part == ".." {
 				return true
 			}

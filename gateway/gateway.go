@@ -39,6 +39,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/receiptledger/reconciler/internal/contentcoding"
 	"github.com/receiptledger/reconciler/internal/redact"
 	"github.com/receiptledger/reconciler/ledger"
 	"github.com/receiptledger/reconciler/statemachine"
@@ -168,7 +169,8 @@ func (g *Gateway) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 // outcome (outcome_unknown if any byte left, not_sent otherwise) and
 // answers the agent so, within cutGrace, before Run returns; nothing the
 // gateway could know is left submitted. h is the gateway itself when nil;
-// pass a handler around it to add endpoints (the CLI adds /metrics). Run
+// pass a handler around it to add endpoints (metrics belong on a listener
+// of their own: the CLI's --metrics-addr). Run
 // also deletes expired replay responses, a tenth of the retention apart,
 // and delivers the routes' webhooks (DeliverWebhooks).
 func (g *Gateway) Run(ctx context.Context, l net.Listener, h http.Handler, grace time.Duration) error {
@@ -298,6 +300,10 @@ type call struct {
 	start   time.Time
 	upFirst atomic.Int64 // ns since start: the upstream's first response byte
 	upStart atomic.Int64 // ns since start: the upstream connection asked for
+	// kept is what the upstream's answer leaves for replays (keep), once
+	// it arrived: written before the receipt settles, and again with an
+	// outcome whose recording failed (keepUnrecorded).
+	kept *storedResponse
 }
 
 // trace records when the upstream exchange began and answered, so the
@@ -326,7 +332,9 @@ func (g *Gateway) refuse(w http.ResponseWriter, route string, pr Problem) {
 
 func (g *Gateway) proxy(w http.ResponseWriter, r *http.Request) {
 	c := &call{start: time.Now()}
-	escaped := r.URL.EscapedPath()
+	// One spelling per resource, before anything is matched,
+	// fingerprinted or forwarded (the query too: upstreamRequest).
+	escaped := normalEscapes(r.URL.EscapedPath())
 	route, rest := g.match(escaped)
 	if route == nil {
 		g.refuse(w, routeNone, newProblem(ProblemUnknownRoute, "no route's prefix matches "+strconv.Quote(truncate(escaped))))
@@ -387,7 +395,21 @@ func (g *Gateway) proxy(w http.ResponseWriter, r *http.Request) {
 		in.Webhook = route.Name
 	}
 	caller := &ledger.Caller{Ledger: g.ledger.As(statemachine.Actor(c.agent)), HTTP: g.clients[route],
-		ExternalID: route.ExternalID, MaxResponseBytes: g.cfg.MaxResponseBytes, Known: g.ownKey(c.agent)}
+		ExternalID: route.ExternalID, MaxResponseBytes: g.cfg.MaxResponseBytes, Known: g.ownKey(c.agent),
+		// Whatever the upstream compressed its answer with: a body must be
+		// decoded to be classified, and redacted before it goes anywhere.
+		DecodeContent: true,
+		// The response is kept before the receipt settles: a replay
+		// between the two would otherwise find it settled without its
+		// response, and answer otherwise than this call does.
+		Answered: func(ctx context.Context, rc *ledger.Receipt, ex ledger.Exchange, v ledger.Verdict) {
+			if c.kept = g.keep(c, ex, v); c.kept != nil {
+				g.record(ctx, c, rc.ID, c.kept)
+			}
+		}}
+	if !write {
+		caller.Classify = notModified
+	}
 	// The call outlives the agent's connection: its outcome is recorded
 	// (and replayed to the agent's next attempt) even if the agent left.
 	ctx, cancel := context.WithTimeout(c.trace(context.WithoutCancel(r.Context())), route.Timeout+time.Minute)
@@ -397,9 +419,6 @@ func (g *Gateway) proxy(w http.ResponseWriter, r *http.Request) {
 	res, err := caller.Do(ctx, in, up.WithContext(ctx))
 	if res != nil && res.Unrecorded != nil {
 		g.keepUnrecorded(c, caller, res)
-	}
-	if kept := g.keep(c, res, err); kept != nil {
-		g.record(ctx, c, res.Receipt.ID, kept)
 	}
 	if route.Webhook != nil && res != nil && res.Receipt != nil {
 		switch {
@@ -474,7 +493,7 @@ func (g *Gateway) upstreamRequest(r *http.Request, route *Route, rest string, fr
 	if rest == "/" && route.Upstream.Path != "" {
 		u.Path, u.RawPath = route.Upstream.Path, route.Upstream.RawPath
 	}
-	u.RawQuery = r.URL.RawQuery
+	u.RawQuery = normalEscapes(r.URL.RawQuery)
 	var rd io.Reader
 	if len(body) > 0 {
 		rd = bytes.NewReader(body)
@@ -498,6 +517,16 @@ func (g *Gateway) upstreamRequest(r *http.Request, route *Route, rest string, fr
 	return up, nil
 }
 
+// notModified classifies a 304 to a read with a receipt: it answers a
+// conditional read ("the agent's copy is current"), a success, not a
+// redirect whose effect is unknown.
+func notModified(ex ledger.Exchange) (ledger.Verdict, bool) {
+	if ex.Response != nil && ex.Response.StatusCode == http.StatusNotModified {
+		return ledger.Verdict{Outcome: ledger.OutcomeSucceeded}, true
+	}
+	return ledger.Verdict{}, false
+}
+
 // passThrough forwards a read without a receipt.
 func (g *Gateway) passThrough(w http.ResponseWriter, c *call, up *http.Request) {
 	ctx := c.trace(up.Context())
@@ -508,7 +537,13 @@ func (g *Gateway) passThrough(w http.ResponseWriter, c *call, up *http.Request) 
 		return
 	}
 	defer resp.Body.Close()
-	if resp.StatusCode >= 300 && resp.StatusCode <= 399 {
+	if err := contentcoding.Decode(resp); err != nil {
+		g.refuse(w, c.route.Name, undecodable(resp.StatusCode))
+		return
+	}
+	// A 304 answers a conditional read (If-None-Match, If-Modified-Since):
+	// "your copy is current", not a redirect.
+	if resp.StatusCode >= 300 && resp.StatusCode <= 399 && resp.StatusCode != http.StatusNotModified {
 		g.refuse(w, c.route.Name, Problem{Type: ProblemUpstreamRedirect.URI(), Title: ProblemUpstreamRedirect.Title,
 			Status: ProblemUpstreamRedirect.Status, Retry: RetryNo, UpstreamStatus: resp.StatusCode,
 			Detail: "the gateway does not follow redirects"})
@@ -519,6 +554,10 @@ func (g *Gateway) passThrough(w http.ResponseWriter, c *call, up *http.Request) 
 		g.refuse(w, c.route.Name, newProblem(ProblemResponseTooLarge, fmt.Sprintf("more than %d bytes", g.cfg.MaxResponseBytes)))
 		return
 	}
+	if errors.Is(err, contentcoding.ErrUndecodable) {
+		g.refuse(w, c.route.Name, undecodable(resp.StatusCode))
+		return
+	}
 	if err != nil {
 		g.metrics.request(c.route.Name, outcomeError)
 		writeProblem(w, newProblem(ProblemUpstreamUnavailable, "reading the upstream's answer failed; a read changes nothing and may be sent again"))
@@ -527,6 +566,14 @@ func (g *Gateway) passThrough(w http.ResponseWriter, c *call, up *http.Request) 
 	g.metrics.request(c.route.Name, outcomePassthrough)
 	writeUpstream(w, c.route.redactor, resp.StatusCode, resp.Header, body)
 	g.metrics.addedLatency(c.route.Name, c.added())
+}
+
+// undecodable refuses a read's answer in a content coding the gateway
+// cannot decode: a credential echoed in it could not be removed.
+func undecodable(status int) Problem {
+	pr := newProblem(ProblemUndecodableResponse, "the upstream answered the read with a body in a content coding the gateway cannot decode: it is not passed on")
+	pr.UpstreamStatus = status
+	return pr
 }
 
 // gatewayHeaders are the response headers only the gateway writes: an
@@ -589,8 +636,12 @@ func (g *Gateway) answer(w http.ResponseWriter, r *http.Request, c *call, res *l
 		pr.ExistingReceiptID = dup.Existing.ID
 		pr.WaitURL = waitURL(dup.Existing.ID)
 		g.refuse(w, name, pr)
-	case errors.Is(err, errOtherAgent):
-		g.refuse(w, name, newProblem(ProblemKeyReused, "this Idempotency-Key names another agent's call"))
+	case errors.Is(err, errOtherAgent) || (errors.Is(err, ledger.ErrKeyConflict) && !g.ownsKey(r.Context(), c.agent, r.Header.Get(HeaderIdempotencyKey))):
+		// Another agent's key is answered the same whether or not the
+		// payload sent is the one it was used with (its owner is asked
+		// before its fingerprint is told): an agent cannot confirm
+		// another's payload one guess at a time.
+		g.refuse(w, name, newProblem(ProblemKeyReused, "this Idempotency-Key is taken: use a key of its own for each step"))
 	case errors.Is(err, ledger.ErrKeyConflict):
 		g.refuse(w, name, newProblem(ProblemKeyReused, "this Idempotency-Key names a call with another operation, target or payload: use a key of its own for each step"))
 	case errors.Is(err, ledger.ErrInvalidKey):
@@ -642,6 +693,15 @@ func (g *Gateway) settledOtherwise(w http.ResponseWriter, r *http.Request, c *ca
 		code = oe.Cause.Code
 	}
 	switch {
+	case rc.State == statemachine.Rejected && res != nil && res.Response != nil && errors.Is(oe, ledger.ErrUndecodableBody):
+		// A refusal whose body cannot be decoded: a credential echoed in
+		// it could not be removed, so none of it is passed on (nor kept:
+		// keep).
+		g.metrics.request(name, outcomeRejected)
+		pr := newProblem(ProblemUndecodableResponse, "the upstream rejected the call ("+code+") with a body the gateway cannot decode: "+
+			"it is not passed on. Nothing will be sent under this Idempotency-Key")
+		pr.ReceiptID, pr.ReceiptState, pr.Code, pr.UpstreamStatus = rc.ID, string(rc.State), code, res.Response.StatusCode
+		writeProblem(w, pr)
 	case rc.State == statemachine.Rejected && res != nil && res.Response != nil:
 		// A deterministic refusal (4xx) or a 429: the upstream's answer.
 		g.metrics.request(name, outcomeRejected)
@@ -692,6 +752,16 @@ func (g *Gateway) ownKey(agent string) func(context.Context, *ledger.Receipt) er
 	}
 }
 
+// ownsKey reports whether agent made the receipt key names; a key whose
+// owner cannot be read is taken for another's.
+func (g *Gateway) ownsKey(ctx context.Context, agent, key string) bool {
+	owner, err := g.store.keyOwner(ctx, key)
+	if err != nil {
+		g.log.Warn("reading a key's owner failed", "agent", agent, "error", err)
+	}
+	return err == nil && owner == agent
+}
+
 // replay answers a call whose key names a receipt already past planned
 // (and owned by the caller's agent: ownKey): nothing is sent upstream.
 func (g *Gateway) replay(w http.ResponseWriter, r *http.Request, c *call, rc *ledger.Receipt) {
@@ -705,7 +775,7 @@ func (g *Gateway) replay(w http.ResponseWriter, r *http.Request, c *call, rc *le
 			g.log.Warn("reading a kept response failed", "route", name, "receipt_id", rc.ID, "error", err)
 		}
 		setReceipt(w.Header(), rc)
-		if kept != nil && kept.Body != nil {
+		if kept != nil && kept.Body != nil && keptFits(rc.State, kept.Status) {
 			writeUpstream(w, c.route.redactor, kept.Status, kept.Headers, kept.Body)
 			return
 		}
@@ -734,43 +804,45 @@ func (g *Gateway) replay(w http.ResponseWriter, r *http.Request, c *call, rc *le
 	}
 }
 
-// keep returns what a fresh call's response leaves for replays, nil
-// when there is nothing to keep: a call replayed, not settled, or settled
-// without an answer from the upstream. A call settled succeeded or
-// rejected with the upstream's answer keeps its status, the headers the
-// file names and the body when within the replay bound, both with every
-// form of the route's credential removed.
-func (g *Gateway) keep(c *call, res *ledger.Result, err error) *storedResponse {
-	if res == nil || res.Replayed || res.Response == nil || res.Receipt == nil {
+// keep returns what a fresh call's response leaves for replays, nil when
+// there is nothing to keep: an answer whose outcome is unknown, or whose
+// body could not be read whole (or decoded). An answer classified
+// succeeded or rejected keeps its status, the headers the file names and
+// the body when within the replay bound, both with every form of the
+// route's credential removed. It is kept before the receipt settles
+// (ledger.Caller.Answered); replay uses it only for the outcome it was
+// kept for.
+func (g *Gateway) keep(c *call, ex ledger.Exchange, v ledger.Verdict) *storedResponse {
+	if ex.Response == nil || ex.Err != nil || (v.Outcome != ledger.OutcomeSucceeded && v.Outcome != ledger.OutcomeRejected) {
 		return nil
 	}
-	var oe *ledger.OutcomeError
-	if err != nil && !(errors.As(err, &oe) && oe.Receipt != nil && oe.Receipt.State == statemachine.Rejected) {
-		return nil
-	}
-	return g.keptResponse(c, res)
-}
-
-// keptResponse is what res leaves for replays (see keep).
-func (g *Gateway) keptResponse(c *call, res *ledger.Result) *storedResponse {
-	kept := &storedResponse{Agent: c.agent, Status: res.Response.StatusCode, Headers: http.Header{}, BodyBytes: int64(len(res.Body))}
+	kept := &storedResponse{Agent: c.agent, Status: ex.Response.StatusCode, Headers: http.Header{}, BodyBytes: int64(len(ex.Body))}
 	for _, h := range g.cfg.ReplayHeaders {
-		for _, v := range res.Response.Header.Values(h) {
+		for _, v := range ex.Response.Header.Values(h) {
 			// An API may echo the credential in a kept header too
 			// (a Location with the key in its query).
 			kept.Headers[h] = append(kept.Headers[h], c.route.redactor.String(v))
 		}
 	}
-	if int64(len(res.Body)) <= g.cfg.ReplayBodyBytes {
-		kept.Body = res.Body
+	if int64(len(ex.Body)) <= g.cfg.ReplayBodyBytes {
+		kept.Body = ex.Body
 		if !c.route.redactor.Empty() {
-			kept.Body = []byte(c.route.redactor.String(string(res.Body)))
+			kept.Body = []byte(c.route.redactor.String(string(ex.Body)))
 		}
 		if kept.Body == nil {
 			kept.Body = []byte{}
 		}
 	}
 	return kept
+}
+
+// keptFits reports whether a response kept for replays is the answer of
+// a receipt in state: kept before the receipt settled, it is another
+// outcome's when the settlement differed (recording it failed, and the
+// reconciler settled the receipt).
+func keptFits(state statemachine.State, status int) bool {
+	ok := status >= 200 && status <= 299 || status == http.StatusNotModified
+	return ok == (state == statemachine.Succeeded)
 }
 
 // record keeps a settled call's response for replays.

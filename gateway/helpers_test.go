@@ -72,8 +72,14 @@ func newEnv(t *testing.T, upstream http.Handler, extra string) *env {
 
 func newEnvAt(t *testing.T, upstreamURL, extra string) *env {
 	t.Helper()
+	return newEnvRoutes(t, routesFile(upstreamURL, extra))
+}
+
+// newEnvRoutes is a gateway for a whole routes file, over a fresh ledger.
+func newEnvRoutes(t *testing.T, routes string) *env {
+	t.Helper()
 	db := pgtest.NewPool(t)
-	cfg, err := gateway.ParseConfig("routes.yaml", []byte(routesFile(upstreamURL, extra)), testEnv)
+	cfg, err := gateway.ParseConfig("routes.yaml", []byte(routes), testEnv)
 	if err != nil {
 		t.Fatal(err)
 	}

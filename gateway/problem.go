@@ -57,6 +57,7 @@ var (
 	ProblemNotSent             = ProblemType{"not-sent", http.StatusServiceUnavailable, "Nothing was sent upstream", RetrySameKey}
 	ProblemUpstreamUnavailable = ProblemType{"upstream-unavailable", http.StatusBadGateway, "The upstream did not answer a read", RetrySameKey}
 	ProblemResponseTooLarge    = ProblemType{"response-too-large", http.StatusBadGateway, "The upstream's response is larger than the gateway takes", RetryNo}
+	ProblemUndecodableResponse = ProblemType{"undecodable-response", http.StatusBadGateway, "The upstream's response is in a content coding the gateway cannot decode", RetryNo}
 	ProblemLedger              = ProblemType{"ledger-unavailable", http.StatusServiceUnavailable, "The receipt ledger could not be written", RetrySameKey}
 	ProblemReceiptNotFound     = ProblemType{"receipt-not-found", http.StatusNotFound, "No such receipt", RetryNo}
 	ProblemInvalidWait         = ProblemType{"invalid-wait", http.StatusBadRequest, "wait must be a duration from 0s to 5m", RetryNo}
@@ -69,7 +70,7 @@ func ProblemTypes() []ProblemType {
 		ProblemInvalidToken, ProblemMissingKey, ProblemInvalidKey, ProblemInvalidIntent, ProblemRequestTooLarge,
 		ProblemKeyReused, ProblemDuplicateIntent, ProblemRetryRefused, ProblemInProgress, ProblemRejected,
 		ProblemOutcomeUnknown, ProblemUpstreamRedirect, ProblemManualReview, ProblemNotSent, ProblemUpstreamUnavailable, ProblemResponseTooLarge,
-		ProblemLedger, ProblemReceiptNotFound, ProblemInvalidWait}
+		ProblemUndecodableResponse, ProblemLedger, ProblemReceiptNotFound, ProblemInvalidWait}
 }
 
 // URI is the problem type's "type" member.

@@ -35,7 +35,11 @@ const (
 		WHERE receipt_id = $1 AND expires_at > clock_timestamp()`
 	// sqlOwner is the actor that created a receipt: the actor of its first
 	// event (history is append-only, so it never changes).
-	sqlOwner  = `SELECT actor FROM reconciler.receipt_events WHERE receipt_id = $1 ORDER BY seq LIMIT 1`
+	sqlOwner = `SELECT actor FROM reconciler.receipt_events WHERE receipt_id = $1 ORDER BY seq LIMIT 1`
+	// sqlKeyOwner is the owner of the receipt an idempotency key names.
+	sqlKeyOwner = `SELECT e.actor FROM reconciler.receipt_keys k
+		JOIN reconciler.receipt_events e ON e.receipt_id = k.receipt_id
+		WHERE k.idempotency_key = $1 ORDER BY e.seq LIMIT 1`
 	sqlExpire = `DELETE FROM reconciler.gateway_responses WHERE receipt_id IN (
 		SELECT receipt_id FROM reconciler.gateway_responses
 		WHERE expires_at <= clock_timestamp() ORDER BY expires_at LIMIT $1)`
@@ -141,6 +145,20 @@ func (s store) owner(ctx context.Context, id int64) (string, error) {
 	}
 	if err != nil {
 		return "", fmt.Errorf("gateway: read the owner of receipt %d: %w", id, err)
+	}
+	return actor, nil
+}
+
+// keyOwner returns the actor that created the receipt key names, "" when
+// the key names none.
+func (s store) keyOwner(ctx context.Context, key string) (string, error) {
+	var actor string
+	err := s.db.QueryRow(ctx, sqlKeyOwner, key).Scan(&actor)
+	if errors.Is(err, pgx.ErrNoRows) {
+		return "", nil
+	}
+	if err != nil {
+		return "", fmt.Errorf("gateway: read the owner of a key: %w", err)
 	}
 	return actor, nil
 }

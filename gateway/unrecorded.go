@@ -40,9 +40,9 @@ func newUnrecordedOutcomes() *unrecordedOutcomes {
 func (g *Gateway) keepUnrecorded(c *call, caller *ledger.Caller, res *ledger.Result) {
 	u := res.Unrecorded
 	item := &unrecordedOutcome{caller: caller, u: u, route: c.route.Name, agent: c.agent, since: time.Now()}
-	if res.Response != nil && u.Verdict.Outcome != ledger.OutcomeUnknown {
-		item.kept = g.keptResponse(c, res)
-	}
+	// What the answer left for replays (keep: nothing for an unknown
+	// outcome), written once the outcome is.
+	item.kept = c.kept
 	g.unrecorded.mu.Lock()
 	g.unrecorded.items[u.Receipt.ID] = item
 	n := len(g.unrecorded.items)

@@ -517,14 +517,20 @@ func TestDowngradeAndUpgradeWithReceipts(t *testing.T) {
 	ids := seedFlight(t, db, "round")
 	intactHistories(t, db)
 	before := snapshot(t, db)
-	// What each Down removes with its rows: the gateway's replay cache
-	// and webhook queue, and the waits counted since a receipt became
-	// outcome_unknown. Receipts and history are never among them.
+	// What each Down removes with its rows: retention's record of removals,
+	// while there were none (00020 refuses to go down once there are: see
+	// package retention), the verdict audits and window alarms (the
+	// effective windows fall back to the declared ones), the lifetime
+	// alarms, the gateway's replay cache and webhook queue, and the waits
+	// counted since a receipt became outcome_unknown. Receipts and history
+	// are never among them.
 	loses := map[string]string{
-		"00014_rules_of_time.sql": "table lifetime_alarms",
-		"00010_webhooks.sql":      "table webhook_deliveries, table webhook_receipts",
-		"00009_gateway.sql":       "table gateway_responses",
-		"00006_wait_count.sql":    "column receipts.wait_count",
+		"00020_retention.sql":      "table removed_receipts, table retention_batches",
+		"00015_verdict_audits.sql": "table audit_queue, table verdict_audits, table window_alarms",
+		"00014_rules_of_time.sql":  "table lifetime_alarms",
+		"00010_webhooks.sql":       "table webhook_deliveries, table webhook_receipts",
+		"00009_gateway.sql":        "table gateway_responses",
+		"00006_wait_count.sql":     "column receipts.wait_count",
 	}
 	step := func(what string, f func() (*goose.MigrationResult, error)) {
 		t.Helper()

@@ -76,6 +76,12 @@ var (
 	// (Submit a planned one, replay one past planned, Retry one that may
 	// be retried). SQLSTATE RL008.
 	ErrKnownKey = errors.New("idempotency key already planned: nothing submitted")
+	// ErrKeyRemoved is returned by Plan and PlanAndSubmit when the key
+	// named a receipt that retention has since removed from the ledger
+	// (reconciler.removed_receipts, its archive in
+	// reconciler.retention_batches): a key names one receipt for good, so
+	// it is never planned again and nothing is sent.
+	ErrKeyRemoved = errors.New("idempotency key names a receipt removed by retention: nothing planned")
 )
 
 // DuplicateError is returned by Plan when the intent's fingerprint is

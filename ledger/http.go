@@ -19,6 +19,7 @@ import (
 	"syscall"
 	"time"
 
+	"github.com/receiptledger/reconciler/internal/contentcoding"
 	"github.com/receiptledger/reconciler/internal/sanitize"
 	"github.com/receiptledger/reconciler/statemachine"
 )
@@ -32,6 +33,12 @@ var ErrRejected = errors.New("request rejected")
 // ErrResponseTooLarge is the Exchange.Err of a response whose body exceeded
 // Caller.MaxResponseBytes; Exchange.Body then holds the first bytes only.
 var ErrResponseTooLarge = errors.New("response body too large")
+
+// ErrUndecodableBody is matched by the Exchange.Err of a response whose
+// body is in a content coding Caller.DecodeContent cannot decode (one it
+// does not know, or content that does not decode); Exchange.Body then
+// holds none of it, or the part decoded before the failure.
+var ErrUndecodableBody = contentcoding.ErrUndecodable
 
 // Defaults of a Caller's zero fields.
 const (
@@ -60,7 +67,7 @@ const (
 	CodeConnectionClosed = "connection_closed" // sent, then EOF before a response
 	CodeTransportError   = "transport_error"   // sent, then any other failure
 	CodeTruncatedBody    = "truncated_body"    // 2xx whose body could not be read whole
-	CodeMalformedBody    = "malformed_body"    // 2xx whose body is not the JSON it claims
+	CodeMalformedBody    = "malformed_body"    // 2xx whose body is not the JSON it claims, or cannot be decoded
 	CodeBodyTooLarge     = "body_too_large"    // 2xx whose body exceeds MaxResponseBytes
 	CodeInvalidVerdict   = "invalid_verdict"   // Classify returned an Outcome out of range
 	CodeClassifyPanic    = "classify_panic"    // Classify or ExternalID panicked: outcome unknown
@@ -167,6 +174,15 @@ type Caller struct {
 	// MaxResponseBytes bounds the response body read into memory;
 	// 0 means DefaultMaxResponseBytes.
 	MaxResponseBytes int64
+	// DecodeContent decodes every content coding of the response body
+	// (gzip, x-gzip, deflate, br, stacked) before it is read, bounded
+	// (MaxResponseBytes bounds the decoded body) and classified, and
+	// removes Content-Encoding from the response: an API may compress its
+	// answer whatever it was asked. A body that cannot be decoded is not
+	// read (its error matches ErrUndecodableBody): a 2xx is then
+	// outcome_unknown (malformed_body). Off, net/http decodes only the gzip
+	// its Transport asked for itself.
+	DecodeContent bool
 	// SettleTimeout bounds each ledger write after planning; 0 means
 	// DefaultSettleTimeout.
 	SettleTimeout time.Duration
@@ -177,6 +193,13 @@ type Caller struct {
 	// keys its own: another agent's reuse of a key must neither learn of
 	// that call nor send its next attempt.
 	Known func(ctx context.Context, r *Receipt) error
+	// Answered, when set, is called once a response to the request Do
+	// sent has arrived and been classified, with the submitted receipt,
+	// before the outcome is recorded: whatever it writes is there before
+	// the receipt settles, so a reader that sees the receipt settled sees
+	// it too. The gateway keeps the response for replays so. Its context
+	// is bounded by SettleTimeout; it cannot change the outcome.
+	Answered func(ctx context.Context, r *Receipt, ex Exchange, v Verdict)
 }
 
 // Result is what Do returns: the receipt and, when a response arrived, the
@@ -475,6 +498,11 @@ func (c *Caller) Do(ctx context.Context, in Intent, req *http.Request) (*Result,
 	}
 	ex, stats := c.send(ctx, req, t0.Add(delay), delay)
 	v, overridden := c.safeClassify(ex)
+	if c.Answered != nil && ex.Response != nil {
+		actx, cancel := c.writeContext(ctx)
+		c.Answered(actx, sub, ex, v)
+		cancel()
+	}
 	res := &Result{Receipt: sub, Response: ex.Response, Body: ex.Body, Verdict: v, Sent: ex.Sent}
 	settled, cause, detail, err := c.settle(ctx, sub, ex, v, overridden, stats)
 	if err != nil {
@@ -847,7 +875,12 @@ func (c *Caller) send(ctx context.Context, req *http.Request, deadline time.Time
 	}
 	ex := Exchange{Request: out, Response: resp, Err: err}
 	if resp != nil && err == nil {
-		ex.Body, ex.Err = readBody(resp.Body, c.maxBody())
+		if c.DecodeContent {
+			ex.Err = contentcoding.Decode(resp)
+		}
+		if ex.Err == nil {
+			ex.Body, ex.Err = readBody(resp.Body, c.maxBody())
+		}
 		resp.Body.Close()
 		resp.Body = io.NopCloser(bytes.NewReader(ex.Body))
 		disarm()
@@ -1103,6 +1136,9 @@ func DefaultClassify(ex Exchange) Verdict {
 		switch {
 		case errors.Is(ex.Err, ErrResponseTooLarge):
 			return Verdict{Outcome: OutcomeUnknown, Code: CodeBodyTooLarge, Message: ex.Err.Error()}
+		case errors.Is(ex.Err, ErrUndecodableBody):
+			return Verdict{Outcome: OutcomeUnknown, Code: CodeMalformedBody,
+				Message: fmt.Sprintf("%s with a body that cannot be read: %s", statusMessage(ex), safeErrorText(ex.Err, ex.Request))}
 		case ex.Err != nil:
 			return Verdict{Outcome: OutcomeUnknown, Code: CodeTruncatedBody,
 				Message: fmt.Sprintf("%s after %d bytes: %s", statusMessage(ex), len(ex.Body), safeErrorText(ex.Err, ex.Request))}

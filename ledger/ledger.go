@@ -597,12 +597,20 @@ func (c *Client) plan(ctx context.Context, in Intent, fp fingerprint.Result, ret
 	if err := c.checkDurability(ctx); err != nil {
 		return nil, fmt.Errorf("ledger: plan %s: nothing recorded, nothing sent: %w", in.IdempotencyKey, err)
 	}
-	var r *Receipt
-	var err error
-	if submit {
-		r, err = c.submitRow(ctx, sql, args...)
-	} else {
-		r, err = scanReceipt(c.pool.QueryRow(ctx, sql, args...))
+	ask := func() (*Receipt, error) {
+		if submit {
+			return c.submitRow(ctx, sql, args...)
+		}
+		return scanReceipt(c.pool.QueryRow(ctx, sql, args...))
+	}
+	r, err := ask()
+	if code, pe := pgCode(err); code == codeUniqueKey && pe.ConstraintName == "receipt_keys_pkey" {
+		// The key is taken, but plan found no receipt under it: either a
+		// concurrent insert (PlanAndSubmit's, which does not take plan's
+		// lock) committed after plan looked, or retention removed the
+		// key's receipt. Asked again, plan returns the former's receipt;
+		// the latter is refused again (planError: ErrKeyRemoved).
+		r, err = ask()
 	}
 	var nr *NotReplicatedError
 	if errors.As(err, &nr) {
@@ -648,6 +656,12 @@ func (c *Client) planError(ctx context.Context, key string, err error) error {
 		return fmt.Errorf("ledger: plan %s: %w: %s", key, ErrStateConflict, pe.Message)
 	case codeRetention:
 		return fmt.Errorf("ledger: plan %s: %w, nothing sent: %w: %s", key, ErrRetryRefused, ErrKeyRetentionPassed, pe.Message)
+	case codeUniqueKey:
+		// reconciler.plan found no receipt under the key twice, yet the
+		// key is taken: keys outlive the receipts retention removes.
+		if pe.ConstraintName == "receipt_keys_pkey" {
+			return fmt.Errorf("ledger: plan %s: %w", key, ErrKeyRemoved)
+		}
 	}
 	return fmt.Errorf("ledger: plan %s: %w", key, err)
 }

@@ -10,7 +10,8 @@
 --     declared for its dependency: no absence settles such a receipt. The
 --     move reconciling -> safe_to_retry is refused (RL002, DETAIL
 --     lifetime_exceeded); the reconciler settles it manual_review (reason
---     lifetime_exceeded) instead. The declared lifetime and window are the
+--     lifetime_exceeded) instead (its settling statement skips such a row,
+--     leaving it leased, so its next claim does). The declared lifetime and window are the
 --     ones the settlement states in its evidence (max_request_lifetime_s,
 --     consistency_window_s); a settlement that states none is held to the
 --     strictest window, the send deadline alone.
@@ -82,19 +83,6 @@ RETURNS timestamptz LANGUAGE sql STABLE AS $$
                     THEN greatest((evidence ->> 'max_request_lifetime_s')::float8, 0) ELSE 0 END
              + CASE WHEN jsonb_typeof(evidence -> 'consistency_window_s') = 'number'
                     THEN greatest((evidence ->> 'consistency_window_s')::float8, 0) ELSE 0 END)
-$$;
--- +goose StatementEnd
-
--- reconciler.window_voided_by returns the first late outcome of r recorded
--- after its absence window under evidence's declaration, NULL if none: the
--- receipt may not settle safe_to_retry. (The reconciler's settlement skips
--- such a row, leaving it leased, so its next claim settles it.)
--- +goose StatementBegin
-CREATE FUNCTION reconciler.window_voided_by(r reconciler.receipts, evidence jsonb)
-RETURNS bigint LANGUAGE sql STABLE AS $$
-    SELECT l.id FROM reconciler.late_outcomes l
-    WHERE l.receipt_id = r.id AND l.at > reconciler.absence_window_end(r, evidence)
-    ORDER BY l.id LIMIT 1
 $$;
 -- +goose StatementEnd
 
@@ -539,16 +527,14 @@ $$;
 -- +goose StatementEnd
 
 
--- Where the roles of docs/roles.sql are in use: the reconciler's settlement
--- checks the window (window_voided_by, as the worker), and the worker,
--- reviewers and `stats` read the alarms (docs/roles.sql grants the same, for
--- databases set up after this migration).
+-- Where the roles of docs/roles.sql are in use, the worker, reviewers and
+-- `stats` read the alarms (docs/roles.sql grants the same, for databases
+-- set up after this migration). The functions above run inside SECURITY
+-- DEFINER ones and need no grant.
 -- +goose StatementBegin
 DO $$
 BEGIN
     IF to_regrole('reconciler_worker') IS NOT NULL THEN
-        GRANT EXECUTE ON FUNCTION reconciler.absence_window_end(reconciler.receipts, jsonb),
-            reconciler.window_voided_by(reconciler.receipts, jsonb) TO reconciler_worker;
         GRANT SELECT ON reconciler.lifetime_alarms
             TO reconciler_worker, reconciler_reviewer, reconciler_readonly;
     END IF;
@@ -837,6 +823,5 @@ $$;
 
 
 DROP FUNCTION reconciler.note_lifetime_alarm(reconciler.receipts, jsonb);
-DROP FUNCTION reconciler.window_voided_by(reconciler.receipts, jsonb);
 DROP FUNCTION reconciler.absence_window_end(reconciler.receipts, jsonb);
 DROP TABLE reconciler.lifetime_alarms;

@@ -94,6 +94,8 @@ type fileConfig struct {
 	// Dependencies is decoded by hand (loadDependencies), field by field,
 	// so every error names its line.
 	Dependencies yaml.Node `yaml:"dependencies"`
+	// Retention too (loadRetention).
+	Retention yaml.Node `yaml:"retention"`
 }
 
 type policyYAML struct {
@@ -126,7 +128,9 @@ type adapterYAML struct {
 
 // Keys allowed in each mapping; anything else is a typo the loader names.
 // Functions, not variables, so no caller can widen them.
-func topKeys() []string { return []string{"version", "defaults", "adapters", "dependencies"} }
+func topKeys() []string {
+	return []string{"version", "defaults", "adapters", "dependencies", "retention"}
+}
 
 func policyKeys() []string {
 	return []string{"consistency_window", "max_request_lifetime", "max_checks", "deadline", "backoff", "idempotency"}
@@ -281,6 +285,13 @@ func Load(name string, r io.Reader, extra Types) (*Registry, error) {
 		}
 	}
 	reg.deps = deps
+	if n := mapValue(root, "retention"); n != nil {
+		ret, ke := loadRetention(n)
+		if ke != nil {
+			return nil, fail("", ke.field, ke.line, ke.err)
+		}
+		reg.retention = ret
+	}
 	return reg, nil
 }
 

@@ -175,6 +175,8 @@ type Registry struct {
 	all   []*Binding
 	// deps holds the protection limits of the adapters file, by dependency.
 	deps map[string]DependencyLimits
+	// retention is the adapters file's retention policy, nil without one.
+	retention *Retention
 }
 
 // NewRegistry returns an empty registry: every receipt is adapter-less.

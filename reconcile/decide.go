@@ -64,6 +64,10 @@ type Evidence struct {
 	SendDeadline       *time.Time `json:"send_deadline,omitempty"`
 	ConsistencyWindow  string     `json:"consistency_window,omitempty"`
 	MaxRequestLifetime string     `json:"max_request_lifetime,omitempty"`
+	// EffectiveWindow is set when a window alarm widened the declared
+	// window (max_request_lifetime + consistency_window): the window the
+	// absence waited for instead (docs/verdict-audits.md).
+	EffectiveWindow string `json:"effective_window,omitempty"`
 	// ConsistencyWindowSec and MaxRequestLifetimeSec are the same
 	// declarations in seconds, for the database: its trigger refuses a
 	// safe_to_retry whose receipt has a late outcome after send deadline +
@@ -203,6 +207,9 @@ type decider struct {
 	int63n func(int64) int64
 	// sched picks the next check; nil means PolicyJitter over int63n.
 	sched Schedule
+	// windows are the effective windows: absences wait for them (nil:
+	// the declared ones).
+	windows *Windows
 }
 
 // observe tells a learning schedule what a read of c that began at readAt
@@ -379,10 +386,13 @@ func (d decider) decide(readAt, answeredAt time.Time, c Claimed, b *readback.Bin
 // settles only if ctl says the adapter's positive control passed.
 func (d decider) decideCheck(readAt, answeredAt time.Time, c Claimed, b *readback.Binding, res readback.Result, checkErr error, latency time.Duration, ctl controlVerdict) Outcome {
 	now := readAt
-	p := b.Policy
+	p := d.windows.Policy(b)
 	checks := c.Checks + 1
 	rec := &CheckRecord{CheckNo: checks, At: readAt, Adapter: b.Name, Dependency: c.Dependency, Latency: latency}
 	ev := d.evidence(now, c, b, checks)
+	if p.ConsistencyWindow != b.Policy.ConsistencyWindow {
+		ev.EffectiveWindow = DeclaredWindow(p).String()
+	}
 	ra := readAt
 	ev.ReadAt = &ra
 	out := Outcome{ID: c.ID, Lease: c.Lease, Check: rec, Adapter: b.Name, Dependency: c.Dependency}

@@ -37,6 +37,8 @@ type Metrics struct {
 	// ControlOK is 1 while a positive control of an adapter holds for an
 	// operation, else 0. control is "present" or "gone" (ControlKind).
 	ControlOK *prometheus.GaugeVec // adapter, operation, control
+	// Verdicts measure whether verdicts hold: observed lag, audits, alarms.
+	Verdicts *VerdictMetrics
 }
 
 // NewMetrics creates the metrics and registers them with reg (a fresh
@@ -126,7 +128,7 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 		}),
 		ControlOK: prometheus.NewGaugeVec(prometheus.GaugeOpts{
 			Name: "reconciler_adapter_control_ok",
-			Help: "1 while the adapter's positive control (control: present, which gates absences; gone, which gates a delete's still-present) passed recently for the operation, 0 when it failed or has none.",
+			Help: "1 while the adapter's positive control (control: present, which gates absences; gone, which gates a delete's still-present) passed recently for the operation, 0 when it failed or has none; NaN, with operation \"\", until the adapter's first control of that kind has run.",
 		}, []string{"adapter", "operation", "control"}),
 	}
 	if reg != nil {
@@ -134,5 +136,6 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 			m.Rescheduled, m.LeaseLost, m.Refused, m.Claimed, m.Orphans, m.Duplicates, m.LifetimeExceeded, m.Backlog,
 			m.StalePlanned, m.OldestUnknown, m.Breaker, m.DBErrors, m.WritesRefused, m.WritesBlocked, m.ClockSkew, m.ControlOK)
 	}
+	m.Verdicts = newVerdictMetrics(reg)
 	return m
 }

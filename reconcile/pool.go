@@ -130,6 +130,9 @@ type Config struct {
 	ControlRetry    time.Duration
 	ControlValidFor time.Duration
 	ControlScan     int
+	// Audits configures the audits of settled absences and the window
+	// alarms (docs/verdict-audits.md).
+	Audits AuditConfig
 }
 
 func (c Config) withDefaults() Config {
@@ -179,6 +182,7 @@ func (c Config) withDefaults() Config {
 	if c.ControlScan == 0 {
 		c.ControlScan = ControlScan
 	}
+	c.Audits = c.Audits.withDefaults()
 	return c
 }
 
@@ -203,6 +207,9 @@ func (c Config) validate() error {
 		// may outlast the lease); a lease must survive one missed renewal.
 		return bad("heartbeat (%s) must be at most half the lease (%s)", c.Heartbeat, c.Lease)
 	}
+	if err := c.Audits.validate(); err != nil {
+		return bad("%v", err)
+	}
 	return nil
 }
 
@@ -224,6 +231,8 @@ type Pool struct {
 	// caller injected Now.
 	clock *dbclock.Clock
 	ctl   controls
+	// windows are the effective windows of the adapters' declarations.
+	windows *Windows
 	// refusals are the statements the database refuses as such (a
 	// privilege, the schema): claims back off while complete is one.
 	refusals refusals
@@ -253,15 +262,17 @@ func New(db *pgxpool.Pool, cfg Config) (*Pool, error) {
 		}
 		cfg.Now = clock.Now
 	}
+	windows := &Windows{}
 	p := &Pool{
-		cfg: cfg, db: db, store: store,
-		dec:   decider{int63n: cfg.Int63n, sched: cfg.Schedule},
+		cfg: cfg, db: db, store: store, windows: windows,
+		dec:   decider{int63n: cfg.Int63n, sched: cfg.Schedule, windows: windows},
 		log:   cfg.Logger.With("instance", cfg.Instance),
 		m:     cfg.Metrics,
 		clock: clock,
 	}
 	if cfg.Metrics != nil {
 		p.refusals.gauge = cfg.Metrics.WritesBlocked
+		cfg.Metrics.Known(cfg.Registry)
 	}
 	return p, nil
 }
@@ -406,6 +417,9 @@ type session struct {
 	dueSet map[int64]struct{} // the times in due, as Unix nanoseconds
 	rearm  chan struct{}
 	run    bool
+
+	// batch gathers the rows read in batches (batch.go).
+	batch batches
 }
 
 func (p *Pool) serve(ctx context.Context, once bool) (Summary, error) {
@@ -486,7 +500,15 @@ func (p *Pool) serve(ctx context.Context, once bool) (Summary, error) {
 		listener.Go(func() { l.Run(listenCtx) })
 		defer func() { stopListen(); listener.Wait() }()
 	}
+	if err := p.loadWindows(ctx); err != nil && ctx.Err() == nil {
+		s.dbError("effective windows", err)
+	}
+	var auditor sync.WaitGroup
+	if !once && !p.cfg.Audits.Off {
+		auditor.Go(s.auditLoop)
+	}
 	err := s.claimLoop(once, wake)
+	s.endBatches()
 
 	close(s.jobs)
 	workers.Wait()
@@ -494,6 +516,13 @@ func (p *Pool) serve(ctx context.Context, once bool) (Summary, error) {
 	close(s.outcomes)
 	completer.Wait()
 	recorder.Wait()
+	auditor.Wait()
+	if once && err == nil && ctx.Err() == nil {
+		// A drain audits what is due once its settling is done.
+		if _, aerr := p.auditDue(ctx, func() bool { return ctx.Err() == nil }); aerr != nil {
+			s.dbError("audit", aerr)
+		}
+	}
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	return s.summary, err
@@ -641,10 +670,8 @@ func (s *session) claimLoop(once bool, wake <-chan struct{}) error {
 			s.mu.Lock()
 			s.summary.Claimed += len(rows)
 			s.mu.Unlock()
-			for _, c := range rows {
-				s.jobs <- c // never blocks: the channel holds MaxInFlight rows
-			}
 		}
+		s.dispatch(rows, len(rows)+refused == limit)
 		if len(rows)+refused == limit {
 			// Maybe more due: the receipts whose claim was refused are
 			// left out of the next claim, so it takes the rows behind.
@@ -1115,6 +1142,7 @@ func (s *session) process(c Claimed) Outcome {
 		// that kind, for this receipt's operation, has passed recently.
 		out = p.dec.decide(readAt, answeredAt, c, b, res, cerr, latency, s.control(b, c.Receipt, kind))
 	}
+	s.found(c, b, readAt, out)
 	if p.m != nil {
 		outcome := string(res.Verdict)
 		if cerr != nil {

@@ -133,10 +133,17 @@ WITH u AS (
       -- stays leased and its next claim settles it succeeded (the trigger
       -- would refuse safe_to_retry and fail the whole batch). So does one
       -- that recorded any answer after the absence window the settlement
-      -- declares: its next claim settles it manual_review, lifetime_exceeded.
+      -- declares (send deadline + max_request_lifetime_s +
+      -- consistency_window_s: the rule of reconciler.absence_window_end,
+      -- migration 00014, written out so the statement runs on a schema
+      -- being migrated too): its next claim settles it manual_review,
+      -- lifetime_exceeded.
       AND (u.to_state <> 'safe_to_retry' OR NOT EXISTS (
-          SELECT FROM reconciler.late_outcomes l WHERE l.receipt_id = r.id AND l.outcome = 'succeeded')
-          AND reconciler.window_voided_by(r, u.detail -> 'evidence') IS NULL)
+          SELECT FROM reconciler.late_outcomes l WHERE l.receipt_id = r.id
+            AND (l.outcome = 'succeeded'
+                 OR l.at > coalesce(r.submitted_at, r.created_at) + r.max_send_delay
+                           + make_interval(secs => coalesce((u.detail #>> '{evidence,max_request_lifetime_s}')::float8, 0)
+                                                 + coalesce((u.detail #>> '{evidence,consistency_window_s}')::float8, 0)))))
     RETURNING r.id
 ), c AS (
     ` + sqlInsertCheckArrays(9, "", "") + `

@@ -31,7 +31,8 @@ import (
 const DefaultLimit = 50
 
 // Via is recorded in the detail of every move this package makes, as
-// extra.resolved_via, so history tells a review decision from a hand-written
+// extra.resolved_via (unless Resolution.Via names another tool, such as
+// `reconciler ui`), so history tells a review decision from a hand-written
 // SQL statement.
 const Via = "reconciler review"
 
@@ -108,6 +109,9 @@ type Filter struct {
 	// Operation and Dependency match exactly when set.
 	Operation  string
 	Dependency string
+	// Reason matches exactly, when set, the reason recorded with the move
+	// that held the receipt (e.g. blind, bound_reached).
+	Reason string
 	// OlderThan keeps receipts held for at least this long.
 	OlderThan time.Duration
 	// Limit caps the number returned; DefaultLimit when zero or negative.
@@ -141,12 +145,8 @@ func List(ctx context.Context, pool *pgxpool.Pool, f Filter) ([]Held, error) {
 	if f.Limit <= 0 {
 		f.Limit = DefaultLimit
 	}
-	var minAge *float64
-	if f.OlderThan > 0 {
-		s := f.OlderThan.Seconds()
-		minAge = &s
-	}
-	rows, err := pool.Query(ctx, sqlList, optional(f.Operation), optional(f.Dependency), minAge, f.Limit)
+	q, args := listQuery(f)
+	rows, err := pool.Query(ctx, q, args)
 	if err != nil {
 		return nil, fmt.Errorf("review: list: %w", err)
 	}
@@ -165,12 +165,55 @@ func List(ctx context.Context, pool *pgxpool.Pool, f Filter) ([]Held, error) {
 	return held, nil
 }
 
-// optional returns s as a nullable text parameter: NULL when empty.
-func optional(s string) *string {
-	if s == "" {
-		return nil
+// Count returns how many receipts held in manual_review match f (whatever
+// f.Limit says), counting at most max of them: when more match, it returns
+// max and more = true. The bound keeps the count's cost that of reading max
+// index entries however many receipts are held; max <= 0 counts them all.
+func Count(ctx context.Context, pool *pgxpool.Pool, f Filter, max int64) (n int64, more bool, err error) {
+	q, args := where(sqlCountHead, f)
+	if max > 0 {
+		q += sqlCountTail
+		args["max"] = max + 1
 	}
-	return &s
+	if err := pool.QueryRow(ctx, sqlCountOuterHead+q+sqlCountOuterTail, args).Scan(&n); err != nil {
+		return 0, false, fmt.Errorf("review: count: %w", err)
+	}
+	if max > 0 && n > max {
+		return max, true, nil
+	}
+	return n, false, nil
+}
+
+// listQuery is sqlList with only the conditions f sets, and its arguments.
+func listQuery(f Filter) (string, pgx.NamedArgs) {
+	q, args := where(sqlListHead, f)
+	args["limit"] = f.Limit
+	return q + sqlListTail, args
+}
+
+// where appends to head the conditions f sets, and returns their arguments.
+func where(head string, f Filter) (string, pgx.NamedArgs) {
+	var q strings.Builder
+	q.WriteString(head)
+	args := pgx.NamedArgs{}
+	cond := func(sql, name string, v any) {
+		q.WriteString("\n  AND ")
+		q.WriteString(sql)
+		args[name] = v
+	}
+	if f.Operation != "" {
+		cond(sqlListOperation, "operation", f.Operation)
+	}
+	if f.Dependency != "" {
+		cond(sqlListDependency, "dependency", f.Dependency)
+	}
+	if f.Reason != "" {
+		cond(sqlListReason, "reason", f.Reason)
+	}
+	if f.OlderThan > 0 {
+		cond(sqlListMinAge, "min_age_s", f.OlderThan.Seconds())
+	}
+	return q.String(), args
 }
 
 // Receipt is a receipt's current-state projection as Show reports it.
@@ -220,6 +263,9 @@ type Event struct {
 type Timeline struct {
 	Receipt Receipt `json:"receipt"`
 	Events  []Event `json:"events"`
+	// Audits are the reconciler's audit reads of its settled absence
+	// (docs/verdict-audits.md), if any.
+	Audits []Audit `json:"audits,omitempty"`
 }
 
 // Show returns the receipt with id and its whole timeline, read in one
@@ -258,6 +304,9 @@ func Show(ctx context.Context, pool *pgxpool.Pool, id int64) (*Timeline, error) 
 	if err != nil {
 		return nil, fmt.Errorf("review: timeline of receipt %d: %w", id, err)
 	}
+	if t.Audits, err = audits(ctx, tx, id); err != nil {
+		return nil, err
+	}
 	return &t, nil
 }
 
@@ -273,6 +322,9 @@ type Resolution struct {
 	// ExternalID, when set, is recorded with the move (e.g. the resource a
 	// person found for a succeeded create).
 	ExternalID string
+	// Via names the tool the person decided with, recorded as
+	// extra.resolved_via; the package's Via (the CLI) when empty.
+	Via string
 }
 
 // Resolve moves a held receipt to r.To as "human:<r.Operator>", recording
@@ -287,7 +339,20 @@ func Resolve(ctx context.Context, pool *pgxpool.Pool, r Resolution) (*ledger.Rec
 	default:
 		return nil, fmt.Errorf("review: receipt %d: %w (got %q)", r.ID, ErrInvalidResolution, r.To)
 	}
-	return leave(ctx, pool, r.ID, r.To, r.Operator, r.Reason, r.ExternalID, "resolve")
+	return leave(ctx, pool, r, "resolve")
+}
+
+// Decide makes the decision r: a resolution as Resolve makes it, or, with
+// r.To = outcome_unknown, a requeue as Requeue makes it (r.ExternalID is
+// then refused: a requeue finds nothing). Errors are those of Resolve.
+func Decide(ctx context.Context, pool *pgxpool.Pool, r Resolution) (*ledger.Receipt, error) {
+	if r.To != statemachine.OutcomeUnknown {
+		return Resolve(ctx, pool, r)
+	}
+	if strings.TrimSpace(r.ExternalID) != "" {
+		return nil, fmt.Errorf("review: receipt %d: %w: a requeue records no external id", r.ID, ErrInvalidResolution)
+	}
+	return leave(ctx, pool, r, "requeue")
 }
 
 // Requeue moves a held receipt back to outcome_unknown as
@@ -295,13 +360,16 @@ func Resolve(ctx context.Context, pool *pgxpool.Pool, r Resolution) (*ledger.Rec
 // at once, so the reconciler claims and checks it again. Errors are those of
 // Resolve.
 func Requeue(ctx context.Context, pool *pgxpool.Pool, id int64, operator, reason string) (*ledger.Receipt, error) {
-	return leave(ctx, pool, id, statemachine.OutcomeUnknown, operator, reason, "", "requeue")
+	return leave(ctx, pool, Resolution{ID: id, To: statemachine.OutcomeUnknown, Operator: operator, Reason: reason}, "requeue")
 }
 
-// leave makes the guarded move manual_review → to for a human.
-func leave(ctx context.Context, pool *pgxpool.Pool, id int64, to statemachine.State,
-	operator, reason, externalID, action string) (*ledger.Receipt, error) {
-	reason = strings.TrimSpace(reason)
+// leave makes the guarded move manual_review → r.To for a human.
+func leave(ctx context.Context, pool *pgxpool.Pool, r Resolution, action string) (*ledger.Receipt, error) {
+	id, operator, via := r.ID, r.Operator, r.Via
+	if via == "" {
+		via = Via
+	}
+	reason := strings.TrimSpace(r.Reason)
 	if reason == "" {
 		return nil, fmt.Errorf("review: receipt %d: %w", id, ErrReasonRequired)
 	}
@@ -314,10 +382,10 @@ func leave(ctx context.Context, pool *pgxpool.Pool, id int64, to statemachine.St
 		return nil, fmt.Errorf("review: receipt %d: %w", id, err)
 	}
 	rec, err := client.Transition(ctx, ledger.Move{
-		ID: id, From: statemachine.ManualReview, To: to,
+		ID: id, From: statemachine.ManualReview, To: r.To,
 		Detail: ledger.Detail{Reason: reason, Extra: map[string]any{
-			"resolved_via": Via, "action": action, "operator": operator}},
-		ExternalID: strings.TrimSpace(externalID),
+			"resolved_via": via, "action": action, "operator": operator}},
+		ExternalID: strings.TrimSpace(r.ExternalID),
 	})
 	if err == nil {
 		return rec, nil

@@ -79,13 +79,25 @@ func TestList(t *testing.T) {
 	backdate(t, pool, c, 3*time.Hour)
 	backdate(t, pool, a, time.Hour)
 	unknown(t, pool, "articles.create", "blog") // not held: never listed
+	d := unknown(t, pool, "mail.send", "mailer").ID
+	rc, err := ledger.New(pool, "reconciler:t")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := rc.Transition(ctx, ledger.Move{ID: d, From: statemachine.OutcomeUnknown,
+		To: statemachine.ManualReview, Detail: ledger.Detail{Reason: "bound_reached"}}); err != nil {
+		t.Fatal(err)
+	}
 
 	tests := []struct {
 		name string
 		f    Filter
 		want []int64
 	}{
-		{"all, longest held first", Filter{}, []int64{c, a, b}},
+		{"all, longest held first", Filter{}, []int64{c, a, b, d}},
+		{"reason", Filter{Reason: "blind"}, []int64{c, a, b}},
+		{"other reason", Filter{Reason: "bound_reached"}, []int64{d}},
+		{"reason and dependency", Filter{Reason: "bound_reached", Dependency: "blog"}, nil},
 		{"operation", Filter{Operation: "articles.create"}, []int64{a}},
 		{"dependency", Filter{Dependency: "blog"}, []int64{c, a}},
 		{"older than", Filter{OlderThan: 30 * time.Minute}, []int64{c, a}},
@@ -106,6 +118,21 @@ func TestList(t *testing.T) {
 			}
 			if !slices.Equal(ids, tt.want) {
 				t.Fatalf("ids %v, want %v", ids, tt.want)
+			}
+			// Count agrees with the list (without its limit), and stops
+			// at its bound.
+			f := tt.f
+			f.Limit = 0
+			all, err := List(ctx, pool, Filter{Operation: f.Operation, Dependency: f.Dependency, Reason: f.Reason,
+				OlderThan: f.OlderThan, Limit: 100})
+			if err != nil {
+				t.Fatal(err)
+			}
+			if n, more, err := Count(ctx, pool, f, 0); err != nil || n != int64(len(all)) || more {
+				t.Fatalf("count %d (more %v, %v), want %d", n, more, err, len(all))
+			}
+			if n, more, err := Count(ctx, pool, f, 1); err != nil || n != min(1, int64(len(all))) || more != (len(all) > 1) {
+				t.Fatalf("count up to 1: %d (more %v, %v) of %d", n, more, err, len(all))
 			}
 		})
 	}
@@ -132,10 +159,11 @@ func TestListUsesIndex(t *testing.T) {
 	if _, err := tx.Exec(ctx, `SET LOCAL enable_seqscan = off`); err != nil {
 		t.Fatal(err)
 	}
-	op, dep, age := "x", "y", 60.0
-	for _, args := range [][]any{{nil, nil, nil, 50}, {&op, &dep, &age, 50}} {
+	for _, f := range []Filter{{Limit: 50}, {Operation: "x", Dependency: "y", OlderThan: time.Minute, Limit: 50},
+		{Reason: "blind", Limit: 50}} {
+		q, args := listQuery(f)
 		var plan strings.Builder
-		rows, err := tx.Query(ctx, "EXPLAIN "+sqlList, args...)
+		rows, err := tx.Query(ctx, "EXPLAIN "+q, args)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -367,5 +395,45 @@ func TestConcurrentResolve(t *testing.T) {
 				t.Fatalf("round %d: person %d's error %q does not name the winner", round, p, err)
 			}
 		}
+	}
+}
+
+// Decide resolves or requeues, recording the tool it was given.
+func TestDecide(t *testing.T) {
+	pool := pgtest.NewPool(t)
+	ctx := context.Background()
+	for _, c := range []struct {
+		r       Resolution
+		action  string
+		wantVia string
+	}{
+		{Resolution{To: statemachine.OutcomeUnknown, Operator: "bob", Reason: "check again", Via: "reconciler ui"}, "requeue", "reconciler ui"},
+		{Resolution{To: statemachine.Rejected, Operator: "bob", Reason: "cancelled", Via: "reconciler ui"}, "resolve", "reconciler ui"},
+		{Resolution{To: statemachine.Succeeded, Operator: "bob", Reason: "found it"}, "resolve", Via},
+	} {
+		c.r.ID = hold(t, pool, "mail.send", "mailer")
+		got, err := Decide(ctx, pool, c.r)
+		if err != nil || got.State != c.r.To {
+			t.Fatalf("%+v: %+v, %v", c.r, got, err)
+		}
+		tl, err := Show(ctx, pool, c.r.ID)
+		if err != nil {
+			t.Fatal(err)
+		}
+		var extra map[string]string
+		if err := json.Unmarshal(tl.Events[len(tl.Events)-1].Extra, &extra); err != nil {
+			t.Fatal(err)
+		}
+		if extra["resolved_via"] != c.wantVia || extra["action"] != c.action || extra["operator"] != "bob" {
+			t.Errorf("%+v: extra %v", c.r, extra)
+		}
+	}
+	id := hold(t, pool, "mail.send", "mailer")
+	if _, err := Decide(ctx, pool, Resolution{ID: id, To: statemachine.OutcomeUnknown, Operator: "bob",
+		Reason: "x", ExternalID: "msg-1"}); !errors.Is(err, ErrInvalidResolution) {
+		t.Errorf("requeue with an external id: %v", err)
+	}
+	if _, err := Decide(ctx, pool, Resolution{ID: id, To: statemachine.Planned, Operator: "bob", Reason: "x"}); !errors.Is(err, ErrInvalidResolution) {
+		t.Errorf("decide to planned: %v", err)
 	}
 }

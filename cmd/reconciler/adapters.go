@@ -69,8 +69,8 @@ func adaptersCheckAction(c *cli.Context) error {
 	_, _ = out.Write([]byte(limits.String())) // laid out by printDependencyLimits; the guard applies
 	var db *pgxpool.Pool
 	if url != "" && (c.Bool("control") || c.IsSet("receipt")) {
-		if db, err = pgxpool.New(c.Context, url); err != nil {
-			return cli.Exit(fmt.Sprintf("adapters check: database: %v", err), 1) // pgx redacts passwords
+		if db, err = openDatabase(c.Context, "adapters check", url); err != nil {
+			return err
 		}
 		defer db.Close()
 		if err := checkLedger(c.Context, "adapters check", db, readLedger); err != nil {
@@ -85,6 +85,9 @@ func adaptersCheckAction(c *cli.Context) error {
 			return cli.Exit(fmt.Sprintf("adapters check: %v", err), 1)
 		}
 		bindings = reg.Bindings()
+	}
+	if err := printWindows(c.Context, out, db, url, bindings); err != nil {
+		return err
 	}
 	failed := 0
 	if c.Bool("control") {
@@ -292,6 +295,10 @@ func explain(ctx context.Context, w *screen, db *pgxpool.Pool, reg *readback.Reg
 	if b.Kind == readback.Blind {
 		w.Printf("decision: manual_review (blind): the endpoint cannot be read back\n")
 		return nil
+	}
+	b, err := effectiveBinding(ctx, w, db, b)
+	if err != nil {
+		return err
 	}
 	cctx, cancel := context.WithTimeout(ctx, timeout)
 	res, err := b.Adapter.Check(cctx, r)

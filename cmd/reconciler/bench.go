@@ -23,7 +23,7 @@ func benchCommand() *cli.Command {
 	return &cli.Command{
 		Name:  "bench",
 		Usage: "measure the ledger and the reconciler on a throwaway database",
-		Subcommands: []*cli.Command{benchLedgerCommand(), benchConsistencyCommand(), benchGatewayCommand(), {
+		Subcommands: []*cli.Command{benchLedgerCommand(), benchConsistencyCommand(), benchGatewayCommand(), benchBacklogCommand(), benchScaleCommand(), {
 			Name: "settle",
 			Usage: "fill N due receipts, settle them with one instance and a no-op adapter that " +
 				"answers present, print settled_per_s and peak_rss_mb",
@@ -43,7 +43,7 @@ func benchCommand() *cli.Command {
 	}
 }
 
-// The bench's tuning, also the run defaults' reasoning (see the README):
+// The bench's tuning, also the run defaults' reasoning (see docs/benchmarks.md):
 // with a no-op adapter the work is all in Postgres, so the batch is large
 // enough to amortise a round trip and a statement-level trigger over
 // hundreds of rows, and small enough that a claim's locks and the transition

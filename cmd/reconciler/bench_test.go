@@ -92,6 +92,26 @@ func TestBenchConsistency(t *testing.T) {
 	}
 }
 
+func TestBenchBacklog(t *testing.T) {
+	code, out, errOut := runCLI(t, "", "bench", "backlog", "--unknowns", "30", "--api-rate", "40", "--lag", "200ms",
+		"--per-receipt-max", "10", "--database-url", pgtest.AdminURL(t))
+	if code != 0 {
+		t.Fatalf("exit %d: %s", code, errOut)
+	}
+	lines := parseBenchLines(t, out, map[string]bool{"strategy": false, "unknowns": true, "api_rate": true,
+		"lag_s": true, "absence_window_s": true, "drain_s": true, "reads": true, "reads_per_receipt": true,
+		"p50_s": true, "p95_s": true, "p50_x": true, "p95_x": true, "false": true, "manual": true, "throttled": true})
+	if len(lines) != 2 || lines[0]["strategy"] != "per_receipt" || lines[1]["strategy"] != "batched" ||
+		lines[0]["unknowns"] != "10" || lines[1]["unknowns"] != "30" {
+		t.Fatalf("want a per_receipt line (10 unknowns) and a batched one (30), got:\n%s", out)
+	}
+	for _, l := range lines {
+		if l["false"] != "0" || l["manual"] != "0" {
+			t.Errorf("%s: %s false verdicts, %s manual reviews", l["strategy"], l["false"], l["manual"])
+		}
+	}
+}
+
 func TestBenchUsage(t *testing.T) {
 	for _, args := range [][]string{
 		{"bench", "ledger", "--concurrency", "1,x"},
@@ -102,6 +122,9 @@ func TestBenchUsage(t *testing.T) {
 		{"bench", "consistency", "--scale", "0"},
 		{"bench", "gateway", "-n", "0"},
 		{"bench", "gateway", "--concurrency", "0"},
+		{"bench", "backlog", "--unknowns", "1"},
+		{"bench", "backlog", "--api-rate", "0"},
+		{"bench", "backlog", "--strategies", "nonsense"},
 	} {
 		if code, _, errOut := runCLI(t, "", args...); code != 2 {
 			t.Errorf("%v: exit %d (%s), want 2", args, code, errOut)

@@ -33,14 +33,17 @@ func gatewayCommand() *cli.Command {
 		Description: "A reverse proxy for side effects, configured by a routes file. Each side-effecting call " +
 			"is planned, recorded submitted and forwarded through the ledger; the answer carries Receipt-Id and " +
 			"Receipt-State, or a problem document (RFC 9457) saying what the agent may do next. " +
-			"GET /receipts/{id}?wait=30s waits for a settlement; /openapi.json documents the endpoints; " +
-			"/metrics serves Prometheus metrics.",
+			"GET /receipts/{id}?wait=30s waits for a settlement; /openapi.json documents the endpoints. " +
+			"Prometheus metrics are served on --metrics-addr only, never on the agents' listener.",
 		Flags: []cli.Flag{
 			databaseURLFlag(),
 			&cli.StringFlag{Name: "config", Required: true, EnvVars: []string{"RECONCILER_GATEWAY_CONFIG"},
 				Usage: "routes file (YAML): agents, their tokens, routes, upstream credentials"},
 			&cli.StringFlag{Name: "listen", EnvVars: []string{"RECONCILER_GATEWAY_LISTEN"},
 				Usage: "address to listen on (default: the file's listen, else " + gateway.DefaultListen + ")"},
+			&cli.StringFlag{Name: "metrics-addr", EnvVars: []string{"RECONCILER_GATEWAY_METRICS_ADDR"},
+				Usage: "serve /metrics on this address (e.g. 127.0.0.1:9091), apart from the agents' listener: " +
+					"they show every agent's activity per route and take no token; empty: off"},
 			&cli.DurationFlag{Name: "grace-period", Value: 20 * time.Second, EnvVars: []string{"RECONCILER_GRACE_PERIOD"},
 				Usage: "on SIGTERM/SIGINT, how long calls in flight may finish"},
 			&cli.StringFlag{Name: "log-level", Value: "info", EnvVars: []string{"RECONCILER_LOG_LEVEL"},
@@ -67,9 +70,9 @@ func gatewayAction(c *cli.Context) error {
 	}
 	// A pool that watches the server's warnings: a submit whose wait for
 	// a synchronous standby was canceled is never followed by a send.
-	db, err := ledger.NewPool(ctx, c.String("database-url"))
+	db, err := openLedgerPool(ctx, "gateway", c.String("database-url"))
 	if err != nil {
-		return cli.Exit(fmt.Sprintf("gateway: database: %v", err), 1)
+		return err
 	}
 	defer db.Close()
 	if err := checkLedger(ctx, "gateway", db, callThrough); err != nil {
@@ -95,13 +98,16 @@ func gatewayAction(c *cli.Context) error {
 	health.check(ctx)
 	go health.run(ctx)
 	g := gateway.New(client, cfg, gateway.Options{Logger: logger, Metrics: gateway.NewMetrics(reg)})
-	metrics := promhttp.HandlerFor(reg, promhttp.HandlerOpts{})
+	if addr := c.String("metrics-addr"); addr != "" {
+		srv, err := serveGatewayMetrics(addr, reg)
+		if err != nil {
+			return cli.Exit(fmt.Sprintf("gateway: --metrics-addr: %v", err), 1)
+		}
+		defer func() { _ = srv.Close() }()
+		logger.Info("gateway metrics served", "addr", addr)
+	}
 	ready := gatewayReadyz(health, g)
 	handler := http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		if r.URL.Path == "/metrics" && r.Method == http.MethodGet {
-			metrics.ServeHTTP(w, r)
-			return
-		}
 		if r.URL.Path == "/readyz" && r.Method == http.MethodGet {
 			ready(w, r)
 			return
@@ -121,6 +127,21 @@ func gatewayAction(c *cli.Context) error {
 	}
 	logger.Info("gateway stopped")
 	return nil
+}
+
+// serveGatewayMetrics serves reg's metrics at GET /metrics on addr, a
+// listener of their own: they name every route and count every agent's
+// calls, and take no token, so they stay off the agents' listener.
+func serveGatewayMetrics(addr string, reg *prometheus.Registry) (*http.Server, error) {
+	l, err := net.Listen("tcp", addr)
+	if err != nil {
+		return nil, err
+	}
+	mux := http.NewServeMux()
+	mux.Handle("GET /metrics", promhttp.HandlerFor(reg, promhttp.HandlerOpts{}))
+	srv := &http.Server{Handler: mux, ReadHeaderTimeout: 10 * time.Second}
+	go func() { _ = srv.Serve(l) }()
+	return srv, nil
 }
 
 // gatewayReadiness is the body of the gateway's /readyz.

@@ -43,6 +43,12 @@ func TestGatewayCommand(t *testing.T) {
 	}
 	addr := l.Addr().String()
 	l.Close()
+	ml, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	metricsAddr := ml.Addr().String()
+	ml.Close()
 	config := filepath.Join(dir, "routes.yaml")
 	if err := os.WriteFile(config, []byte(`version: 1
 listen: `+addr+`
@@ -68,7 +74,8 @@ routes:
 	done := make(chan int, 1)
 	var errOut bytes.Buffer
 	go func() {
-		done <- run(ctx, []string{"reconciler", "gateway", "--database-url", url, "--config", config}, strings.NewReader(""), io.Discard, &errOut)
+		done <- run(ctx, []string{"reconciler", "gateway", "--database-url", url, "--config", config, "--metrics-addr", metricsAddr},
+			strings.NewReader(""), io.Discard, &errOut)
 	}()
 	base := "http://" + addr
 	deadline := time.Now().Add(30 * time.Second)
@@ -96,18 +103,22 @@ routes:
 	if resp.StatusCode != http.StatusCreated || resp.Header.Get("Receipt-State") != "succeeded" || string(body) != `{"id":"ch_1"}` {
 		t.Fatalf("call: %d %v %s", resp.StatusCode, resp.Header, body)
 	}
-	for path, want := range map[string]string{
-		"/metrics":      `reconciler_gateway_requests_total{outcome="succeeded",route="/payments"} 1`,
-		"/openapi.json": `"openapi": "3.1.0"`,
+	// Issue 19, item 12: the metrics (every agent's activity per route)
+	// are served on their own address, not on the agents' listener, where
+	// any caller could read them without a token.
+	for url, want := range map[string]string{
+		"http://" + metricsAddr + "/metrics": `reconciler_gateway_requests_total{outcome="succeeded",route="/payments"} 1`,
+		base + "/openapi.json":               `"openapi": "3.1.0"`,
+		base + "/metrics":                    `"type":"/problems/unknown-route"`,
 	} {
-		resp, err := http.Get(base + path)
+		resp, err := http.Get(url)
 		if err != nil {
 			t.Fatal(err)
 		}
 		b, _ := io.ReadAll(resp.Body)
 		resp.Body.Close()
 		if !strings.Contains(string(b), want) {
-			t.Fatalf("%s lacks %s", path, want)
+			t.Fatalf("%s lacks %s: %s", url, want, b)
 		}
 	}
 	stop()

@@ -96,13 +96,24 @@ func reviewListAction(c *cli.Context) error {
 	if err != nil {
 		return dbFailure(cmd, pool, err, readLedger)
 	}
+	contradicted, err := review.Contradicted(c.Context, pool, review.Filter{
+		Operation: c.String("operation"), Dependency: c.String("dependency"),
+		OlderThan: olderThan, Limit: c.Int("limit"),
+	})
+	if err != nil {
+		return dbFailure(cmd, pool, err, readLedger)
+	}
 	if c.Bool("json") {
 		if held == nil {
 			held = []review.Held{}
 		}
+		for _, x := range contradicted {
+			held = append(held, x.AsHeld())
+		}
 		return writeJSON(c.App.Writer, held)
 	}
 	scr := newScreen(c.App.Writer)
+	defer printContradicted(scr, contradicted)
 	if len(held) == 0 {
 		if c.IsSet("operation") || c.IsSet("dependency") || olderThan > 0 {
 			scr.Printf("no receipts match: none held in manual_review has the operation, dependency or age asked for\n")
@@ -227,9 +238,9 @@ func receiptID(c *cli.Context, cmd string) (int64, error) {
 // openPool connects to --database-url and checks, reading only, that the
 // schema is current and that the login may do what need says.
 func openPool(c *cli.Context, cmd string, need access) (*pgxpool.Pool, error) {
-	pool, err := pgxpool.New(c.Context, c.String("database-url"))
+	pool, err := openDatabase(c.Context, cmd, c.String("database-url"))
 	if err != nil {
-		return nil, cli.Exit(fmt.Sprintf("%s: %v", cmd, err), 1)
+		return nil, err
 	}
 	if err := checkLedger(c.Context, cmd, pool, need); err != nil {
 		pool.Close()
@@ -307,6 +318,7 @@ func printTimeline(w *screen, t *review.Timeline) {
 		line("extra", compact(e.Extra))
 		line("external id", e.ExternalID)
 	}
+	printAudits(w, t.Audits)
 }
 
 // compact prints a JSON value on one line, "" for none.

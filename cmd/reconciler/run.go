@@ -24,7 +24,6 @@ import (
 
 	"github.com/receiptledger/reconciler/internal/dbclock"
 	"github.com/receiptledger/reconciler/internal/protect"
-	"github.com/receiptledger/reconciler/ledger"
 	"github.com/receiptledger/reconciler/readback"
 	"github.com/receiptledger/reconciler/readback/httpadapter"
 	"github.com/receiptledger/reconciler/reconcile"
@@ -37,7 +36,7 @@ var flagDefaults = protect.DefaultPolicy()
 
 // runFlags are the flags of run.
 func runFlags() []cli.Flag {
-	return []cli.Flag{
+	return append([]cli.Flag{
 		databaseURLFlag(),
 		&cli.StringFlag{Name: "adapters", EnvVars: []string{"RECONCILER_ADAPTERS"},
 			Usage: "adapters file (YAML); required unless --no-adapters"},
@@ -78,7 +77,7 @@ func runFlags() []cli.Flag {
 		&cli.StringFlag{Name: "log-level", Value: "info", EnvVars: []string{"RECONCILER_LOG_LEVEL"},
 			Usage: "debug, info, warn or error"},
 		requireSyncFlag(),
-	}
+	}, auditFlags()...)
 }
 
 func runCommand() *cli.Command {
@@ -151,9 +150,9 @@ func runAction(c *cli.Context) error {
 		return cli.Exit(fmt.Sprintf("run: %v", err), 2) // the flags
 	}
 
-	db, err := ledger.NewPool(ctx, c.String("database-url"))
+	db, err := openLedgerPool(ctx, "run", c.String("database-url"))
 	if err != nil {
-		return cli.Exit(fmt.Sprintf("run: database: %v", err), 1) // pgx redacts passwords
+		return err
 	}
 	defer db.Close()
 	if err := checkLedger(ctx, "run", db, settle); err != nil {
@@ -205,6 +204,7 @@ func runAction(c *cli.Context) error {
 		OrphanTimeout:     c.Duration("orphan-timeout"),
 		StalePlannedAfter: c.Duration("stale-planned-after"),
 		GracePeriod:       c.Duration("grace-period"),
+		Audits:            auditConfig(c),
 	}
 	guard, err := protect.New(protect.NewPGStore(db), pcfg, clock, logger)
 	if err != nil {

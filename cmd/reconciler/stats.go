@@ -5,7 +5,6 @@ import (
 	"strings"
 	"time"
 
-	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/urfave/cli/v2"
 
 	"github.com/receiptledger/reconciler/ledger"
@@ -15,19 +14,19 @@ import (
 func statsCommand() *cli.Command {
 	return &cli.Command{
 		Name:  "stats",
-		Usage: "print the reconciler's backlog: receipts per non-terminal state, stale planned, orphans, oldest unknown, duplicates, late answers after the absence window",
-		Flags: []cli.Flag{
+		Usage: "print the reconciler's backlog (receipts per non-terminal state, stale planned, orphans, oldest unknown, duplicates, late answers after the absence window) and, per dependency, its verdicts, their audits and the lag observed against the windows",
+		Flags: append([]cli.Flag{
 			databaseURLFlag(),
 			&cli.DurationFlag{Name: "stale-planned-after", Value: time.Hour, EnvVars: []string{"RECONCILER_STALE_PLANNED_AFTER"},
 				Usage: "planned receipts older than this count as stale"},
 			&cli.DurationFlag{Name: "orphan-timeout", Value: 5 * time.Minute, EnvVars: []string{"RECONCILER_ORPHAN_TIMEOUT"},
 				Usage: "submitted receipts older than this count as orphans"},
 			&cli.BoolFlag{Name: "json", Usage: "print JSON instead of name=value lines"},
-		},
+		}, verdictFlags()...),
 		Action: func(c *cli.Context) error {
-			db, err := pgxpool.New(c.Context, c.String("database-url"))
+			db, err := openDatabase(c.Context, "stats", c.String("database-url"))
 			if err != nil {
-				return cli.Exit(fmt.Sprintf("stats: %v", err), 1)
+				return err
 			}
 			defer db.Close()
 			store, err := reconcile.NewStore(db, "stats")
@@ -54,6 +53,15 @@ func statsCommand() *cli.Command {
 				exceeded += a.Count
 				deps = append(deps, a.Dependency)
 			}
+			verdicts, err := store.VerdictStats(c.Context, c.Duration("period"))
+			if err != nil {
+				return dbFailure("stats", db, err, readBacklog)
+			}
+			file, err := declaredWindows(c.String("adapters"), verdicts)
+			if err != nil {
+				return cli.Exit(fmt.Sprintf("stats: %v", err), 1)
+			}
+			verdicts = mergeWindows(verdicts, file)
 			fields := []struct {
 				name  string
 				value any
@@ -84,6 +92,8 @@ func statsCommand() *cli.Command {
 					m[f.name] = f.value
 				}
 				m["lifetime_exceeded_by_dependency"] = alarms
+				m["verdicts_period_s"] = int64(c.Duration("period").Seconds())
+				m["dependencies"] = verdicts
 				return writeJSON(c.App.Writer, m)
 			}
 			scr := newScreen(c.App.Writer)
@@ -93,6 +103,7 @@ func statsCommand() *cli.Command {
 			if exceeded > 0 {
 				scr.Printf("lifetime_exceeded_dependencies=%s\n", strings.Join(deps, ","))
 			}
+			printVerdicts(scr, verdicts, c.Duration("period"))
 			return nil
 		},
 	}

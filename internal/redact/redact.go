@@ -2,9 +2,10 @@
 // or shown (error messages, excerpts of response bodies), in every form an
 // API or a library is known to echo them back: raw; the Basic form
 // base64("user:password") with and without its scheme; base64 (standard
-// and URL alphabets, padded or not) of the credential; URL query and path
-// escaping; every byte percent-encoded (upper- and lowercase hex); and
-// JSON string escaping.
+// and URL alphabets, padded or not) of the credential; and JSON string
+// escaping. Percent-encoding is not listed form by form: a text is matched
+// again once its escapes are decoded, so an echo with any of its bytes
+// percent-encoded, in either hex case (sk%5Ftest%5f...), is redacted too.
 //
 // Build a Redactor from the credentials in play (Add, AddBasic,
 // AddHeader, AddURL, or ForRequest for an outgoing request), then call
@@ -37,6 +38,8 @@ const MinLen = 6
 type Redactor struct {
 	forms    map[string]struct{}
 	replacer *strings.Replacer
+	// sorted holds the forms, longest first, once String built replacer.
+	sorted []string
 }
 
 // New returns a Redactor for the given credentials (see Add).
@@ -57,13 +60,11 @@ func (r *Redactor) Add(secret string) {
 	for _, enc := range []*base64.Encoding{base64.StdEncoding, base64.RawStdEncoding, base64.URLEncoding, base64.RawURLEncoding} {
 		r.add(enc.EncodeToString([]byte(secret)))
 	}
-	r.add(url.QueryEscape(secret))
-	r.add(url.PathEscape(secret))
-	r.add(strings.ReplaceAll(url.QueryEscape(secret), "+", "%20"))
-	pct := percentAll(secret, "0123456789ABCDEF")
-	r.add(pct)
-	r.add(percentAll(secret, "0123456789abcdef"))
-	r.add(lowerEscapes(url.QueryEscape(secret)))
+	if strings.Contains(secret, " ") {
+		// A query's '+' for a space is not a percent escape: String's
+		// decoding does not undo it.
+		r.add(url.QueryEscape(secret))
+	}
 	if b, err := json.Marshal(secret); err == nil {
 		js := string(b[1 : len(b)-1])
 		r.add(js)
@@ -187,32 +188,127 @@ func ForRequest(req *http.Request, pathSecret bool) *Redactor {
 }
 
 // String returns s with every registered credential form replaced by
-// Marker, longest forms first.
+// Marker, longest forms first: as written, and then once s's percent
+// escapes are decoded (see decodedMatches), whatever bytes were encoded.
 func (r *Redactor) String(s string) string {
 	if r == nil || len(r.forms) == 0 || s == "" {
 		return s
 	}
 	if r.replacer == nil {
-		forms := make([]string, 0, len(r.forms))
+		r.sorted = make([]string, 0, len(r.forms))
 		for f := range r.forms {
-			forms = append(forms, f)
+			r.sorted = append(r.sorted, f)
 		}
 		// Longest first: strings.Replacer tries the old strings in
 		// argument order at each position, so "Basic <b64>" goes before
 		// the parts it contains.
-		slices.SortFunc(forms, func(a, b string) int {
+		slices.SortFunc(r.sorted, func(a, b string) int {
 			if len(a) != len(b) {
 				return len(b) - len(a)
 			}
 			return strings.Compare(a, b)
 		})
-		pairs := make([]string, 0, 2*len(forms))
-		for _, f := range forms {
+		pairs := make([]string, 0, 2*len(r.sorted))
+		for _, f := range r.sorted {
 			pairs = append(pairs, f, Marker)
 		}
 		r.replacer = strings.NewReplacer(pairs...)
 	}
-	return r.replacer.Replace(s)
+	spans, decoded := r.decodedMatches(s)
+	if !decoded {
+		return r.replacer.Replace(s)
+	}
+	var b strings.Builder
+	b.Grow(len(s))
+	at := 0
+	for _, sp := range spans {
+		b.WriteString(s[at:sp[0]])
+		b.WriteString(Marker)
+		at = sp[1]
+	}
+	b.WriteString(s[at:])
+	return b.String()
+}
+
+// decodedMatches returns the spans of s (sorted, disjoint, [start, end))
+// that are a registered form once their percent escapes are decoded, or
+// as written (a form holding a '%' itself); decoded is false when s holds
+// no escape (String then replaces the forms as written). It decodes s
+// once: a view of s with every valid %XX replaced by its byte, each view
+// position mapped back to s through the positions of the escapes, so a
+// match in the view is cut from s whole, escapes and all. Overlapping
+// matches are cut as one.
+func (r *Redactor) decodedMatches(s string) (spans [][2]int, decoded bool) {
+	if strings.IndexByte(s, '%') < 0 {
+		return nil, false
+	}
+	view := make([]byte, 0, len(s))
+	var escapes []int // view positions holding a decoded escape, ascending
+	for i := 0; i < len(s); i++ {
+		if s[i] == '%' && i+2 < len(s) && isHex(s[i+1]) && isHex(s[i+2]) {
+			escapes = append(escapes, len(view))
+			view = append(view, unhex(s[i+1])<<4|unhex(s[i+2]))
+			i += 2
+			continue
+		}
+		view = append(view, s[i])
+	}
+	if len(escapes) == 0 {
+		return nil, false
+	}
+	// orig maps a view position to s: each escape before it took 3 bytes.
+	orig := func(k int) int { n, _ := slices.BinarySearch(escapes, k); return k + 2*n }
+	v := string(view)
+	for _, f := range r.sorted {
+		for _, at := range indexAll(v, f) {
+			spans = append(spans, [2]int{orig(at), orig(at + len(f))})
+		}
+		if strings.IndexByte(f, '%') >= 0 {
+			for _, at := range indexAll(s, f) {
+				spans = append(spans, [2]int{at, at + len(f)})
+			}
+		}
+	}
+	if len(spans) == 0 {
+		return nil, true
+	}
+	slices.SortFunc(spans, func(x, y [2]int) int { return x[0] - y[0] })
+	merged := spans[:1]
+	for _, sp := range spans[1:] {
+		if last := &merged[len(merged)-1]; sp[0] <= last[1] {
+			last[1] = max(last[1], sp[1])
+			continue
+		}
+		merged = append(merged, sp)
+	}
+	return merged, true
+}
+
+// indexAll returns where f occurs in s, overlapping occurrences included.
+func indexAll(s, f string) []int {
+	var at []int
+	for from := 0; ; {
+		i := strings.Index(s[from:], f)
+		if i < 0 {
+			return at
+		}
+		at = append(at, from+i)
+		from += i + 1
+	}
+}
+
+func isHex(c byte) bool {
+	return '0' <= c && c <= '9' || 'a' <= c && c <= 'f' || 'A' <= c && c <= 'F'
+}
+
+func unhex(c byte) byte {
+	switch {
+	case c >= 'a':
+		return c - 'a' + 10
+	case c >= 'A':
+		return c - 'A' + 10
+	}
+	return c - '0'
 }
 
 // Empty reports whether r redacts nothing.
@@ -228,32 +324,4 @@ func (r *Redactor) add(form string) {
 	}
 	r.forms[form] = struct{}{}
 	r.replacer = nil
-}
-
-// percentAll percent-encodes every byte of s with the given hex digits.
-func percentAll(s, digits string) string {
-	var b strings.Builder
-	b.Grow(3 * len(s))
-	for i := 0; i < len(s); i++ {
-		b.WriteByte('%')
-		b.WriteByte(digits[s[i]>>4])
-		b.WriteByte(digits[s[i]&0xF])
-	}
-	return b.String()
-}
-
-// lowerEscapes lowercases the hex digits of the %XX escapes in s.
-func lowerEscapes(s string) string {
-	b := []byte(s)
-	for i := 0; i+2 < len(b); i++ {
-		if b[i] == '%' {
-			for j := i + 1; j <= i+2; j++ {
-				if b[j] >= 'A' && b[j] <= 'F' {
-					b[j] += 'a' - 'A'
-				}
-			}
-			i += 2
-		}
-	}
-	return string(b)
 }

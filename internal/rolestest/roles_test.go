@@ -467,8 +467,10 @@ func TestReviewer(t *testing.T) {
 	if last := h[len(h)-1]; last["actor"] != "human:alice" || last["from_state"] != "manual_review" {
 		t.Errorf("last event %v, want manual_review > succeeded by human:alice", last)
 	}
-	// Reading the reconciler's evidence.
-	for _, q := range []string{`SELECT count(*) FROM reconciler.readback_checks`, `SELECT count(*) FROM reconciler.duplicate_alarms`} {
+	// Reading the reconciler's evidence, and the breakers for the summary
+	// bar of `reconciler ui`.
+	for _, q := range []string{`SELECT count(*) FROM reconciler.readback_checks`, `SELECT count(*) FROM reconciler.duplicate_alarms`,
+		`SELECT count(*) FROM reconciler.dependency_breakers`} {
 		if _, err := e.reviewer.Exec(ctx, q); err != nil {
 			t.Errorf("%s as the reviewer: %v", q, err)
 		}
@@ -716,7 +718,7 @@ func TestReadonly(t *testing.T) {
 	}
 	r := unknown(t, agent, "ro:1", "blog-api")
 	for _, table := range []string{"receipts", "receipt_events", "readback_checks", "duplicate_alarms",
-		"late_outcomes", "lifetime_alarms", "dependency_breakers", "goose_db_version"} {
+		"late_outcomes", "lifetime_alarms", "dependency_breakers", "goose_db_version", "verdict_audits", "window_alarms", "audit_queue"} {
 		if _, err := ro.Exec(ctx, `SELECT count(*) FROM reconciler.`+table); err != nil {
 			t.Errorf("readonly: read %s: %v", table, err)
 		}

@@ -1044,28 +1044,36 @@ func (m *itemMatcher) fingerprint(item any) (string, error) {
 // fingerprintMatches rebuilds the payload from the item's fields and
 // recomputes the intent fingerprint with the agent's normalization.
 func (a *Adapter) fingerprintMatches(sc *scope, item any) (bool, error) {
+	fp, err := a.itemFingerprint(sc.r.Method, sc.r.Target, item)
+	return fp != "" && fp == sc.r.Fingerprint, err
+}
+
+// itemFingerprint is the intent fingerprint a call of method to target
+// whose payload held item's fields would have: "" for an item that cannot
+// be any agent's (a field missing, a number the fingerprint refuses).
+func (a *Adapter) itemFingerprint(method, target string, item any) (string, error) {
 	f := a.cfg.fp
 	payload := map[string]any{}
 	for _, p := range f.fields {
 		v, ok := p.resource.get(item)
 		if !ok {
-			return false, nil // an item without the field is not ours
+			return "", nil // an item without the field is not ours
 		}
 		if err := p.payload.set(payload, v); err != nil {
-			return false, err
+			return "", err
 		}
 	}
 	b, err := json.Marshal(payload)
 	if err != nil {
-		return false, err
+		return "", err
 	}
-	fp, err := fingerprint.Compute(sc.r.Method, sc.r.Target, b, fingerprint.WithDrop(f.drop...))
+	fp, err := fingerprint.Compute(method, target, b, fingerprint.WithDrop(f.drop...))
 	if err != nil {
 		// An item the fingerprint refuses (an imprecise number) cannot be
 		// the agent's: its own payload was accepted.
-		return false, nil
+		return "", nil
 	}
-	return fp.Fingerprint == sc.r.Fingerprint, nil
+	return fp.Fingerprint, nil
 }
 
 // fetchOne reads one resource: existence for deletes, fields for updates.

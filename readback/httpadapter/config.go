@@ -62,6 +62,9 @@ type searchYAML struct {
 	Pagination      *paginationYAML   `yaml:"pagination"`
 	// MaxPageItems bounds the items of one page (default 1000).
 	MaxPageItems int `yaml:"max_page_items"`
+	// Batch declares that the list, read over a time window without the
+	// key filter, answers many receipts at once (batch.go).
+	Batch *batchYAML `yaml:"batch"`
 }
 
 type paginationYAML struct {
@@ -92,6 +95,9 @@ type fetchYAML struct {
 	Query  map[string]string `yaml:"query"`
 	ID     string            `yaml:"id"`
 	Gone   []int             `yaml:"gone"`
+	// Batch declares a fetch of many resources by id in one request
+	// (batchfetch.go).
+	Batch *fetchBatchYAML `yaml:"batch"`
 }
 
 type matchYAML struct {
@@ -171,6 +177,8 @@ type searchConfig struct {
 	// filter: the search checks that every item returned carries the
 	// marker before relying on it).
 	narrowed bool
+	// batch is the shared read of many receipts, nil when not declared.
+	batch *batchConfig
 }
 
 type fetchConfig struct {
@@ -179,6 +187,8 @@ type fetchConfig struct {
 	query  map[string]template
 	id     pointer
 	gone   []int
+	// batch is the fetch of many resources at once, nil when not declared.
+	batch *fetchBatchConfig
 }
 
 type markerConfig struct {
@@ -616,7 +626,7 @@ func (c *config) compileSearch(s settingsYAML) error {
 		}
 		c.fp = fc
 	}
-	return nil
+	return c.compileBatch(sy.Batch)
 }
 
 // pairs compiles a payload-pointer -> resource-pointer map in a stable order.
@@ -792,7 +802,7 @@ func (c *config) compileFetch(s settingsYAML) error {
 		}
 	}
 	c.fetch = fc
-	return nil
+	return c.compileFetchBatch(fy.Batch)
 }
 
 // kinds returns the operation kinds this configuration can read back.

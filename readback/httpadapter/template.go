@@ -223,21 +223,62 @@ func scalarString(v any) (string, error) {
 	return "", fmt.Errorf("%w: want a string, number or boolean, got %s", errMissingField, jsonType(v))
 }
 
-// escapeTarget escapes the receipt's target (chosen by the agent) as a URL
-// path: its '/' separators are kept and every segment is escaped with
-// url.PathEscape, so a '?', '#' or '%' in it never adds a query parameter,
-// a fragment or an escape; a "." or ".." segment, which would name another
-// resource, is refused. The target is taken as written, never unescaped:
-// "%2F" in it is the three characters, sent as "%252F".
+// escapeTarget returns the receipt's target (chosen by the agent) as the
+// URL path it was recorded as: the ledger records a request's escaped path
+// (net/url's EscapedPath), so the target reaches the API exactly as
+// recorded, neither decoded nor escaped again. An escaped separator stays
+// one: "acme%2Fwidgets" is read at "acme%2Fwidgets", never at
+// "acme%252Fwidgets" (whose 404 a delete would take for an absence). Only
+// what a path cannot hold as it is gets escaped: a '%' that starts no
+// escape, and any other byte outside RFC 3986's pchar. A target holding a
+// query or a fragment ('?', '#': the gateway records a call's query in its
+// target) is refused: read as a path it names another resource (a 404, an
+// absence to a delete), and its parameters must never reach a search (a
+// filter the configuration did not set finds nothing). So is a "." or ".."
+// segment, also escaped ("%2e%2e"), which would name another resource.
 func escapeTarget(target string) (string, error) {
+	if i := strings.IndexAny(target, "?#"); i >= 0 {
+		return "", fmt.Errorf("{receipt.target} %q holds a query or a fragment (%q): it is not a path that can be read as recorded", target, target[i])
+	}
 	segs := strings.Split(target, "/")
 	for i, seg := range segs {
-		if seg == "." || seg == ".." {
-			return "", fmt.Errorf("{receipt.target} %q has a %q segment: it would name another resource", target, seg)
+		seg = escapePathSegment(seg)
+		if dec, err := url.PathUnescape(seg); err == nil && (dec == "." || dec == "..") {
+			return "", fmt.Errorf("{receipt.target} %q has a %q segment: it would name another resource", target, dec)
 		}
-		segs[i] = url.PathEscape(seg)
+		segs[i] = seg
 	}
 	return strings.Join(segs, "/"), nil
+}
+
+// escapePathSegment keeps seg's escapes and pchar bytes (RFC 3986 §3.3)
+// as they are and percent-encodes every other byte.
+func escapePathSegment(seg string) string {
+	var b strings.Builder
+	for i := 0; i < len(seg); i++ {
+		c := seg[i]
+		switch {
+		case c == '%' && i+2 < len(seg) && isHex(seg[i+1]) && isHex(seg[i+2]):
+			b.WriteString(seg[i : i+3])
+			i += 2
+		case pchar(c):
+			b.WriteByte(c)
+		default:
+			fmt.Fprintf(&b, "%%%02X", c)
+		}
+	}
+	return b.String()
+}
+
+// pchar reports whether c may appear unescaped in a path segment: an
+// unreserved character, a sub-delimiter, ':' or '@'.
+func pchar(c byte) bool {
+	return 'a' <= c && c <= 'z' || 'A' <= c && c <= 'Z' || '0' <= c && c <= '9' ||
+		strings.IndexByte("-._~!$&'()*+,;=:@", c) >= 0
+}
+
+func isHex(c byte) bool {
+	return '0' <= c && c <= '9' || 'a' <= c && c <= 'f' || 'A' <= c && c <= 'F'
 }
 
 // render expands t. pathEscape escapes every value for a URL path: each one

@@ -1,0 +1,324 @@
+package main
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"io"
+	"os"
+	"slices"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/urfave/cli/v2"
+
+	"github.com/receiptledger/reconciler/ledger"
+	"github.com/receiptledger/reconciler/readback"
+	"github.com/receiptledger/reconciler/reconcile"
+	"github.com/receiptledger/reconciler/retention"
+	"github.com/receiptledger/reconciler/review"
+)
+
+func benchScaleCommand() *cli.Command {
+	return &cli.Command{
+		Name: "scale",
+		Usage: "fill N receipts spread over a year with their history, print claim, plan, sweep and review list " +
+			"latencies and table and index sizes per million receipts, then the same after a retention pass",
+		Description: "Creates a scratch database (see bench settle), fills it with the triggers off (history " +
+			"events, readback checks and keys written alongside, as the triggers would), VACUUM ANALYZEs it, " +
+			"measures, runs one retention pass (archive written to a temporary directory), VACUUM FULLs the " +
+			"tables, and measures again. Output is one name=value per line.",
+		Flags: []cli.Flag{
+			benchServerFlag(),
+			&cli.IntFlag{Name: "receipts", Value: 1_000_000, Usage: "receipts to fill"},
+			&cli.StringFlag{Name: "settled", Value: "90d", Usage: "retention pass: settled receipts kept this long"},
+			&cli.StringFlag{Name: "history", Value: "180d", Usage: "retention pass: their history kept this long"},
+			&cli.IntFlag{Name: "samples", Value: 100, Usage: "claims, plans and review lists measured per phase"},
+			&cli.BoolFlag{Name: "keep", Usage: "keep the benchmark database (its name is printed; not with a throwaway cluster)"},
+		},
+		Action: benchScale,
+	}
+}
+
+// The bench's mix, per receipt id g of n spread over a year, oldest first
+// (ids in creation order, as in a real ledger). The newest 2% (the last
+// 7.3 days) are the work in flight: per 100, 50 outcome_unknown (due), 2
+// reconciling, 13 submitted (all older than the orphan cut-off but the
+// last), 7 planned, the rest succeeded (a backlog far above a healthy
+// one's, so that every phase has due receipts to claim). The older 98% are settled: per
+// 1,000, 2 manual_review, 5 safe_to_retry never retried (open chains), 20
+// rejected, the rest succeeded, one in ten of those through the
+// reconciler (five events and a readback check, else three events). One
+// receipt in 10,000 has a duplicate alarm.
+const sqlScaleFill = `WITH r AS (
+	SELECT g, now() - (@n - g) * (interval '365 days' / @n) AS created,
+	       CASE WHEN g > @n * 98 / 100 THEN
+	                CASE WHEN g % 100 < 50 THEN 'outcome_unknown' WHEN g % 100 < 52 THEN 'reconciling'
+	                     WHEN g % 100 < 65 THEN 'submitted' WHEN g % 100 < 72 THEN 'planned' ELSE 'succeeded' END
+	            ELSE
+	                CASE WHEN g % 1000 < 2 THEN 'manual_review' WHEN g % 1000 < 7 THEN 'safe_to_retry'
+	                     WHEN g % 1000 < 27 THEN 'rejected' ELSE 'succeeded' END
+	       END AS state
+	FROM generate_series(@lo::bigint, @hi::bigint) g
+)
+INSERT INTO reconciler.receipts (idempotency_key, operation, dependency, method, target, fingerprint, intent,
+    state, state_actor, state_detail, created_at, submitted_at, updated_at, unknown_since, next_check_at,
+    lease_owner, lease_expires_at, version, check_count, guarded)
+SELECT 'scale:' || g, 'things.create', 'dep-' || (g % 20), 'POST', '/things', 'sha256:' || md5(g::text) || md5(g::text || 'x'),
+       jsonb_build_object('name', 'thing ' || g),
+       state, CASE WHEN state IN ('reconciling', 'manual_review', 'safe_to_retry') OR g % 10 = 0 AND state = 'succeeded'
+                   THEN 'reconciler:scale' ELSE 'agent:scale' END,
+       CASE WHEN state = 'safe_to_retry' OR g % 10 = 0 AND state = 'succeeded' AND g <= @n * 98 / 100
+            THEN jsonb_build_object('evidence', jsonb_build_object('absence_safe_at', created + interval '2 minutes'))
+            ELSE '{}' END,
+       created, CASE WHEN state <> 'planned' THEN created + interval '100 ms' END,
+       CASE WHEN state IN ('planned', 'submitted') AND g = @n THEN now()
+            WHEN state IN ('planned', 'submitted', 'outcome_unknown', 'reconciling') THEN created + interval '1 s'
+            ELSE created + interval '5 minutes' END,
+       CASE WHEN state IN ('outcome_unknown', 'reconciling') THEN created + interval '1 s' END,
+       CASE state WHEN 'outcome_unknown' THEN created + interval '1 minute' WHEN 'reconciling' THEN now() + interval '1 hour' END,
+       CASE WHEN state = 'reconciling' THEN 'other/00000000/1' END,
+       CASE WHEN state = 'reconciling' THEN now() + interval '1 hour' END,
+       CASE WHEN state = 'planned' THEN 1 WHEN state = 'submitted' THEN 2 WHEN state = 'outcome_unknown' THEN 3
+            WHEN state = 'reconciling' THEN 4 WHEN state IN ('manual_review', 'safe_to_retry') OR g % 10 = 0 THEN 5
+            ELSE 3 END,
+       CASE WHEN state IN ('manual_review', 'safe_to_retry') OR g % 10 = 0 AND state = 'succeeded' THEN 1 ELSE 0 END,
+       true
+FROM r`
+
+// sqlScaleHistory writes what the triggers would have: the key, one event
+// per version, a readback check per check_count, and the alarms.
+func sqlScaleHistory() []string {
+	return []string{
+		`INSERT INTO reconciler.receipt_keys (idempotency_key, receipt_id)
+		 SELECT idempotency_key, id FROM reconciler.receipts WHERE id BETWEEN @lo AND @hi`,
+		`INSERT INTO reconciler.receipt_events (receipt_id, seq, from_state, to_state, at, actor, detail)
+		 SELECT x.id, s, CASE WHEN s > 1 THEN (ARRAY['planned', 'submitted', 'outcome_unknown', 'reconciling'])[s - 1] END,
+		        CASE WHEN s = x.version THEN x.state ELSE (ARRAY['planned', 'submitted', 'outcome_unknown', 'reconciling'])[s] END,
+		        least(x.created_at + s * interval '1 s', x.updated_at), x.state_actor,
+		        CASE WHEN s = x.version THEN x.state_detail ELSE '{}' END
+		 FROM reconciler.receipts x, generate_series(1, x.version) s WHERE x.id BETWEEN @lo AND @hi`,
+		`INSERT INTO reconciler.readback_checks (receipt_id, check_no, at, instance, adapter, dependency, verdict,
+		     authoritative, latency_us)
+		 SELECT id, 1, updated_at, 'scale', 'scale', dependency,
+		        CASE state WHEN 'succeeded' THEN 'present' WHEN 'safe_to_retry' THEN 'absent' ELSE 'inconclusive' END,
+		        true, 1500
+		 FROM reconciler.receipts WHERE id BETWEEN @lo AND @hi AND check_count > 0`,
+		`INSERT INTO reconciler.duplicate_alarms (receipt_id, detected_at, instance, adapter, dependency, external_ids)
+		 SELECT id, updated_at, 'scale', 'scale', dependency, '{a,b}' FROM reconciler.receipts
+		 WHERE id BETWEEN @lo AND @hi AND id % 10000 = 5000 AND state = 'succeeded'`,
+	}
+}
+
+// sqlScaleSizes is the size of each table of the ledger and of its
+// indexes, largest first.
+const sqlScaleSizes = `SELECT c.relname, pg_table_size(c.oid), pg_indexes_size(c.oid),
+	(SELECT count(*) FROM pg_catalog.pg_index i WHERE i.indrelid = c.oid)
+	FROM pg_catalog.pg_class c JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace
+	WHERE n.nspname = 'reconciler' AND c.relkind = 'r' AND c.relname <> 'goose_db_version'
+	  AND pg_total_relation_size(c.oid) > 65536
+	ORDER BY pg_total_relation_size(c.oid) DESC`
+
+func benchScale(c *cli.Context) error {
+	n := c.Int("receipts")
+	if n < 10000 {
+		return cli.Exit("bench scale: --receipts must be at least 10000", 2)
+	}
+	var p retention.Policy
+	for _, f := range []struct {
+		name string
+		dst  *time.Duration
+	}{{"settled", &p.Settled}, {"history", &p.History}} {
+		d, err := readback.ParseAge(c.String(f.name))
+		if err != nil {
+			return cli.Exit(fmt.Sprintf("bench scale: --%s: %v", f.name, err), 2)
+		}
+		*f.dst = d
+	}
+	p.Horizon = readback.DefaultPolicy().MaxRequestLifetime + readback.DefaultPolicy().ConsistencyWindow
+	if err := p.Validate(); err != nil {
+		return cli.Exit(fmt.Sprintf("bench scale: %v", err), 2)
+	}
+	ctx := c.Context
+	bdb, err := openBenchDB(ctx, c.App.ErrWriter, c.String("database-url"), c.Bool("keep"))
+	if err != nil {
+		return cli.Exit(fmt.Sprintf("bench scale: %v", err), 1)
+	}
+	defer bdb.Close()
+	db, err := bdb.pool(ctx, 8)
+	if err != nil {
+		return cli.Exit(fmt.Sprintf("bench scale: %v", err), 1)
+	}
+	defer db.Close()
+	w := c.App.Writer
+	fmt.Fprintf(w, "receipts=%d\n", n)
+	start := time.Now()
+	if err := scaleFill(ctx, db, n); err != nil {
+		return cli.Exit(fmt.Sprintf("bench scale: fill: %v", err), 1)
+	}
+	fmt.Fprintf(w, "fill_s=%.1f\n", time.Since(start).Seconds())
+	samples := c.Int("samples")
+	if err := scaleMeasure(ctx, w, db, "before", n, samples); err != nil {
+		return cli.Exit(fmt.Sprintf("bench scale: %v", err), 1)
+	}
+
+	dir, err := os.MkdirTemp("", "reconciler-bench-archive-")
+	if err != nil {
+		return cli.Exit(fmt.Sprintf("bench scale: %v", err), 1)
+	}
+	defer os.RemoveAll(dir)
+	start = time.Now()
+	rep, err := retention.New(db, retention.Dir(dir), nil).Run(ctx, p, 0)
+	if err != nil {
+		return cli.Exit(fmt.Sprintf("bench scale: retention: %v", err), 1)
+	}
+	elapsed := time.Since(start)
+	var archived int64
+	for _, f := range rep.Files {
+		if st, err := os.Stat(f); err == nil {
+			archived += st.Size()
+		}
+	}
+	fmt.Fprintf(w, "retention_policy=settled %s, history %s\n", c.String("settled"), c.String("history"))
+	fmt.Fprintf(w, "retention_s=%.1f\n", elapsed.Seconds())
+	fmt.Fprintf(w, "retention_receipts_removed=%d\n", rep.Rows["receipts"])
+	fmt.Fprintf(w, "retention_events_removed=%d\n", rep.Rows["receipt_events"])
+	fmt.Fprintf(w, "retention_checks_removed=%d\n", rep.Rows["readback_checks"])
+	fmt.Fprintf(w, "retention_receipts_per_s=%.0f\n", float64(rep.Rows["receipts"])/elapsed.Seconds())
+	fmt.Fprintf(w, "retention_archive_mb=%.1f\n", float64(archived)/(1<<20))
+	fmt.Fprintf(w, "retention_batches=%d+%d\n", rep.ReceiptBatches, rep.HistoryBatches)
+	start = time.Now()
+	if _, err := db.Exec(ctx, `VACUUM (FULL, ANALYZE) reconciler.receipts, reconciler.receipt_events,
+		reconciler.readback_checks, reconciler.receipt_keys, reconciler.late_outcomes`); err != nil {
+		return cli.Exit(fmt.Sprintf("bench scale: vacuum: %v", err), 1)
+	}
+	fmt.Fprintf(w, "vacuum_full_s=%.1f\n", time.Since(start).Seconds())
+	if err := scaleMeasure(ctx, w, db, "after", n, samples); err != nil {
+		return cli.Exit(fmt.Sprintf("bench scale: %v", err), 1)
+	}
+	if c.Bool("keep") && c.String("database-url") != "" {
+		fmt.Fprintf(w, "database=%s\n", bdb.Name)
+	}
+	return nil
+}
+
+// scaleFill fills n receipts in chunks, on one connection with the
+// triggers off, then VACUUM ANALYZEs.
+func scaleFill(ctx context.Context, db *pgxpool.Pool, n int) error {
+	conn, err := db.Acquire(ctx)
+	if err != nil {
+		return err
+	}
+	defer conn.Release()
+	if _, err := conn.Exec(ctx, `SET session_replication_role = replica`); err != nil {
+		return fmt.Errorf("%w (the bench's fill needs a superuser)", err)
+	}
+	defer conn.Exec(context.Background(), `RESET session_replication_role`)
+	const chunk = 200_000
+	for lo := 1; lo <= n; lo += chunk {
+		args := pgx.NamedArgs{"n": n, "lo": lo, "hi": min(lo+chunk-1, n)}
+		if _, err := conn.Exec(ctx, sqlScaleFill, args); err != nil {
+			return err
+		}
+		for _, q := range sqlScaleHistory() {
+			if _, err := conn.Exec(ctx, q, args); err != nil {
+				return err
+			}
+		}
+	}
+	_, err = conn.Exec(ctx, `VACUUM ANALYZE`)
+	return err
+}
+
+// scaleMeasure prints the sizes and latencies of one phase, each name
+// prefixed with it.
+func scaleMeasure(ctx context.Context, w io.Writer, db *pgxpool.Pool, phase string, n, samples int) error {
+	var live int64
+	if err := db.QueryRow(ctx, `SELECT count(*) FROM reconciler.receipts`).Scan(&live); err != nil {
+		return err
+	}
+	fmt.Fprintf(w, "%s_receipts_live=%d\n", phase, live)
+	rows, err := db.Query(ctx, sqlScaleSizes)
+	if err != nil {
+		return err
+	}
+	var name string
+	var table, index, indexes int64
+	perMillion := func(b int64) float64 { return float64(b) / (1 << 20) / (float64(n) / 1e6) }
+	var total int64
+	if _, err := pgx.ForEachRow(rows, []any{&name, &table, &index, &indexes}, func() error {
+		total += table + index
+		fmt.Fprintf(w, "%s_%s_table_mb_per_million=%.1f\n", phase, name, perMillion(table))
+		fmt.Fprintf(w, "%s_%s_indexes_mb_per_million=%.1f (%d indexes)\n", phase, name, perMillion(index), indexes)
+		return nil
+	}); err != nil {
+		return err
+	}
+	fmt.Fprintf(w, "%s_total_mb_per_million=%.1f\n", phase, perMillion(total))
+
+	store, err := reconcile.NewStore(db, "scale-"+phase)
+	if err != nil {
+		return err
+	}
+	claims := make([]time.Duration, 0, samples)
+	for range samples {
+		t0 := time.Now()
+		got, err := store.Claim(ctx, time.Now(), 32, time.Hour)
+		if err != nil {
+			return fmt.Errorf("claim: %w", err)
+		}
+		if len(got) != 32 {
+			return fmt.Errorf("claim: %d rows, want 32 (too few due receipts: raise --receipts)", len(got))
+		}
+		claims = append(claims, time.Since(t0))
+	}
+	printPercentiles(w, phase+"_claim32", claims)
+
+	agent, err := ledger.New(db, "agent:scale")
+	if err != nil {
+		return err
+	}
+	plans := make([]time.Duration, 0, samples)
+	for i := range samples {
+		payload, _ := json.Marshal(map[string]any{"phase": phase, "i": i})
+		in := ledger.Intent{IdempotencyKey: fmt.Sprintf("scale-plan:%s:%d", phase, i), Operation: "things.create",
+			Dependency: fmt.Sprintf("dep-%d", i%20), Method: "POST", Target: "/things", Payload: payload}
+		t0 := time.Now()
+		if _, err := agent.Plan(ctx, in); err != nil {
+			return fmt.Errorf("plan: %w", err)
+		}
+		plans = append(plans, time.Since(t0))
+	}
+	printPercentiles(w, phase+"_plan", plans)
+
+	t0 := time.Now()
+	orphans, err := store.SweepOrphans(ctx, time.Now(), 5*time.Minute, 512, 0)
+	if err != nil {
+		return fmt.Errorf("sweep: %w", err)
+	}
+	fmt.Fprintf(w, "%s_sweep512_ms=%.1f (%d orphans)\n", phase, ms(time.Since(t0)), len(orphans))
+
+	lists := make([]time.Duration, 0, samples)
+	for range samples {
+		t0 := time.Now()
+		held, err := review.List(ctx, db, review.Filter{Limit: 50})
+		if err != nil {
+			return fmt.Errorf("review list: %w", err)
+		}
+		if len(held) != 50 {
+			return fmt.Errorf("review list: %d held, want 50", len(held))
+		}
+		lists = append(lists, time.Since(t0))
+	}
+	printPercentiles(w, phase+"_review_list50", lists)
+	return nil
+}
+
+func printPercentiles(w io.Writer, name string, ds []time.Duration) {
+	slices.Sort(ds)
+	at := func(q float64) time.Duration { return ds[min(len(ds)-1, int(q*float64(len(ds))))] }
+	fmt.Fprintf(w, "%s_p50_ms=%.2f\n%s_p99_ms=%.2f\n", name, ms(at(0.50)), name, ms(at(0.99)))
+}
+
+func ms(d time.Duration) float64 { return float64(d.Microseconds()) / 1000 }

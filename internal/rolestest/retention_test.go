@@ -1,0 +1,79 @@
+package rolestest
+
+import (
+	"context"
+	"testing"
+	"time"
+
+	"github.com/receiptledger/reconciler/ledger"
+	"github.com/receiptledger/reconciler/retention"
+)
+
+// Issue 25: reconciler_retention archives and removes a settled receipt
+// through the removal functions only; it cannot delete, update or insert
+// on its own, even with the removal's setting, and no other role may call
+// the removal functions.
+func TestRetentionRole(t *testing.T) {
+	ctx := context.Background()
+	e := setup(t)
+	ret := loginPool(t, e.owner, e.url, "reconciler_retention")
+	agent, err := ledger.New(e.agent, agentID)
+	if err != nil {
+		t.Fatal(err)
+	}
+	r, err := agent.Plan(ctx, intent("ret:1", "blog-api"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	// Rejected before it was sent: no send deadline to wait for.
+	if r, err = agent.Reject(ctx, r, ledger.Detail{}); err != nil {
+		t.Fatal(err)
+	}
+	kept := unknown(t, agent, "ret:2", "blog-api")
+
+	remove := `SELECT reconciler.retention_remove_receipts($1, 'x', repeat('0', 64), clock_timestamp(), interval '0',
+		'{"receipts": 1, "late_outcomes": 0, "webhook_receipts": 0, "webhook_deliveries": 0, "gateway_responses": 0}')`
+	for _, p := range []struct {
+		name string
+		exec func() error
+	}{
+		{"agent", func() error { _, err := e.agent.Exec(ctx, remove, []int64{r.ID}); return err }},
+		{"worker", func() error { _, err := e.worker.Exec(ctx, remove, []int64{r.ID}); return err }},
+		{"reviewer", func() error { _, err := e.reviewer.Exec(ctx, remove, []int64{r.ID}); return err }},
+	} {
+		wantCode(t, p.name+": retention_remove_receipts", p.exec(), denied)
+	}
+	refuse(t, ret, denied, append(forgeries(r.ID),
+		stmt{"delete receipts", `DELETE FROM reconciler.receipts WHERE id = $1`, []any{r.ID}},
+		stmt{"delete receipts with the removal's setting", `SELECT set_config('reconciler.retention_batch', '1', true);
+			DELETE FROM reconciler.receipts WHERE id = 1`, nil},
+		stmt{"update receipts", `UPDATE reconciler.receipts SET state = 'succeeded' WHERE id = $1`, []any{kept.ID}},
+		stmt{"insert retention_batches", `INSERT INTO reconciler.retention_batches (kind, archive, sha256, removed)
+			VALUES ('receipts', 'x', repeat('0', 64), '{}')`, nil},
+	))
+
+	// The receipt settled a moment ago, never sent; a policy of a
+	// microsecond and no request horizon lets it go; the one in flight
+	// stays.
+	rep, err := retention.New(ret, retention.Dir(t.TempDir()), nil).Run(ctx,
+		retention.Policy{Settled: time.Microsecond, History: time.Microsecond}, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if rep.Rows["receipts"] != 1 || rep.Rows["receipt_events"] != 2 || rep.HistoryBatches != 1 {
+		t.Errorf("retention role: removed %v, want the settled receipt and its 2 events", rep.Rows)
+	}
+	var left []int64
+	rows, err := e.owner.Query(ctx, `SELECT id FROM reconciler.receipts ORDER BY id`)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for rows.Next() {
+		var id int64
+		_ = rows.Scan(&id)
+		left = append(left, id)
+	}
+	if len(left) != 1 || left[0] != kept.ID {
+		t.Errorf("receipts left %v, want only %d (outcome_unknown)", left, kept.ID)
+	}
+}

@@ -1,0 +1,76 @@
+package retention
+
+// The archiver's statements. Times are the database's (clock_timestamp()),
+// like every stored time they are compared with (SPEC §5a, "one clock").
+const (
+	// sqlNow is the database's clock, from which the policy's cut-offs are
+	// counted.
+	sqlNow = `SELECT clock_timestamp()`
+
+	// sqlIDRange bounds the receipts' ids.
+	sqlIDRange = `SELECT coalesce(min(id), 0), coalesce(max(id), 0) FROM reconciler.receipts`
+
+	// sqlCreatedAt is the creation time of the first receipt at or after an
+	// id: a probe of the primary key, for the binary search of the highest
+	// id created before the cut-off (ids are drawn in creation order, and a
+	// receipt settles after it was created, so no receipt above it can be
+	// old enough). No index on created_at: one more index on receipts
+	// would cost every move an insert.
+	sqlCreatedAt = `SELECT created_at FROM reconciler.receipts WHERE id >= $1 ORDER BY id LIMIT 1`
+
+	// sqlChains walks the first attempts settled before the cut-off, in id
+	// order from @after up to @bound (the primary key's range), and returns
+	// each with its retry chain and whether every receipt of the chain may
+	// go (reconciler.retention_keep_reason, the rule the removal re-checks).
+	sqlChains = `WITH RECURSIVE heads AS (
+		SELECT x.id FROM reconciler.receipts x
+		WHERE x.id > @after AND x.id <= @bound AND x.retry_of IS NULL
+		  AND x.state IN ('succeeded', 'rejected', 'safe_to_retry') AND x.updated_at < @settled_before
+		ORDER BY x.id LIMIT @limit
+	), chain AS (
+		SELECT h.id AS head, h.id FROM heads h
+		UNION ALL
+		SELECT c.head, r.id FROM chain c JOIN reconciler.receipts r ON r.retry_of = c.id
+	)
+	SELECT c.head, array_agg(c.id ORDER BY c.id),
+	       bool_and(reconciler.retention_keep_reason(x, @settled_before, @horizon_us * interval '1 microsecond') IS NULL)
+	FROM chain c JOIN reconciler.receipts x ON x.id = c.id
+	GROUP BY c.head ORDER BY c.head`
+
+	// sqlExportReceipts is every row a receipts batch removes, as the
+	// removal deletes them, one JSON object per row.
+	sqlExportReceipts = `SELECT 'receipts', to_jsonb(x) FROM reconciler.receipts x WHERE x.id = ANY ($1)
+	UNION ALL SELECT 'late_outcomes', to_jsonb(l) FROM reconciler.late_outcomes l WHERE l.receipt_id = ANY ($1)
+	UNION ALL SELECT 'webhook_receipts', to_jsonb(w) FROM reconciler.webhook_receipts w WHERE w.receipt_id = ANY ($1)
+	UNION ALL SELECT 'webhook_deliveries', to_jsonb(d) FROM reconciler.webhook_deliveries d WHERE d.receipt_id = ANY ($1)
+	UNION ALL SELECT 'gateway_responses', to_jsonb(g) FROM reconciler.gateway_responses g WHERE g.receipt_id = ANY ($1)`
+
+	// sqlRemoveReceipts removes a receipts batch, re-checking every rule.
+	// (Durations travel as microseconds: the database's own type.)
+	sqlRemoveReceipts = `SELECT reconciler.retention_remove_receipts($1, $2, $3, $4, $5 * interval '1 microsecond', $6)`
+
+	// sqlHistoryDue is the oldest receipts batch whose history is past the
+	// history policy and still in the ledger.
+	sqlHistoryDue = `SELECT b.id FROM reconciler.retention_batches b
+	WHERE b.kind = 'receipts' AND b.settled_before < $1
+	  AND NOT EXISTS (SELECT FROM reconciler.retention_batches h WHERE h.kind = 'history' AND h.of_batch = b.id)
+	ORDER BY b.id LIMIT 1`
+
+	// sqlExportHistory is the history of a receipts batch's receipts.
+	sqlExportHistory = `SELECT 'receipt_events', to_jsonb(e) FROM reconciler.removed_receipts t
+		JOIN reconciler.receipt_events e ON e.receipt_id = t.receipt_id WHERE t.batch_id = $1
+	UNION ALL SELECT 'readback_checks', to_jsonb(c) FROM reconciler.removed_receipts t
+		JOIN reconciler.readback_checks c ON c.receipt_id = t.receipt_id WHERE t.batch_id = $1`
+
+	// sqlRemoveHistory removes a batch's history.
+	sqlRemoveHistory = `SELECT reconciler.retention_remove_history($1, $2, $3, $4)`
+)
+
+// receiptTables and historyTables are the tables each kind of batch
+// removes from: the removal compares its count of each with the export's.
+// Functions, so no caller can change them.
+func receiptTables() []string {
+	return []string{"receipts", "late_outcomes", "webhook_receipts", "webhook_deliveries", "gateway_responses"}
+}
+
+func historyTables() []string { return []string{"receipt_events", "readback_checks"} }
