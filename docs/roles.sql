@@ -291,6 +291,7 @@ GRANT EXECUTE ON FUNCTION
 GRANT SELECT ON reconciler.receipts, reconciler.receipt_events, reconciler.readback_checks,
                 reconciler.late_outcomes, reconciler.duplicate_alarms, reconciler.lifetime_alarms,
                 reconciler.gateway_responses, reconciler.webhook_receipts, reconciler.webhook_deliveries,
+                reconciler.audit_queue, reconciler.verdict_audits, reconciler.window_alarms,
                 reconciler.retention_batches, reconciler.removed_receipts
     TO reconciler_retention;
 

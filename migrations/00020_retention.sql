@@ -25,6 +25,10 @@
 --    functions: the table's owner running with reconciler.retention_batch
 --    set (the functions' SET clause) to a batch that lists the row's
 --    receipt. UPDATE and TRUNCATE stay refused to everyone, as before.
+-- 5. The audits of 00015: a receipt whose audit is pending (audit_queue),
+--    whose audit contradicted its verdict (a false_absence a reviewer must
+--    see) or that a window alarm names is kept; the other audits
+--    (confirmed, inconclusive) leave with their receipt, exported first.
 
 -- +goose Up
 CREATE TABLE reconciler.retention_batches (
@@ -80,7 +84,8 @@ DECLARE
     batch bigint;
     rid bigint;
 BEGIN
-    IF TG_OP = 'DELETE' AND TG_TABLE_NAME IN ('receipts', 'receipt_events', 'readback_checks', 'late_outcomes') THEN
+    IF TG_OP = 'DELETE' AND TG_TABLE_NAME IN ('receipts', 'receipt_events', 'readback_checks', 'late_outcomes',
+                                              'verdict_audits') THEN
         batch := nullif(current_setting('reconciler.retention_batch', true), '')::bigint;
         IF batch IS NOT NULL
            AND pg_has_role(current_user, (SELECT c.relowner FROM pg_catalog.pg_class c WHERE c.oid = TG_RELID), 'USAGE') THEN
@@ -121,6 +126,9 @@ $$;
 --   * no duplicate alarm and no lifetime alarm (00014): nothing in the
 --     schema records that a human dealt with one, so the receipt stays
 --     where `stats` counts it;
+--   * no audit pending (00015's audit_queue), no audit that contradicted
+--     the verdict (a false_absence: nothing records that a reviewer saw
+--     it) and no window alarm naming the receipt (its evidence);
 --   * no webhook delivery pending, no gateway response still replayable.
 -- +goose StatementBegin
 CREATE FUNCTION reconciler.retention_keep_reason(r reconciler.receipts, settled_before timestamptz, horizon interval)
@@ -142,6 +150,12 @@ RETURNS text LANGUAGE sql STABLE AS $$
             THEN 'duplicate alarm'
         WHEN EXISTS (SELECT FROM reconciler.lifetime_alarms a WHERE a.receipt_id = r.id)
             THEN 'lifetime alarm'
+        WHEN EXISTS (SELECT FROM reconciler.audit_queue q WHERE q.receipt_id = r.id)
+            THEN 'audit pending'
+        WHEN EXISTS (SELECT FROM reconciler.verdict_audits v WHERE v.receipt_id = r.id AND v.verdict = 'contradicted')
+            THEN 'verdict contradicted'
+        WHEN EXISTS (SELECT FROM reconciler.window_alarms a WHERE a.receipt_id = r.id)
+            THEN 'window alarm'
         WHEN EXISTS (SELECT FROM reconciler.webhook_deliveries w
                      WHERE w.receipt_id = r.id AND w.delivered_at IS NULL AND w.gave_up_at IS NULL)
             THEN 'webhook delivery pending'
@@ -153,7 +167,7 @@ $$;
 -- +goose StatementEnd
 
 -- Removes the receipts ids (whole retry chains), with their late outcomes,
--- webhook rows and gateway responses, after the caller exported them to
+-- webhook rows, gateway responses and verdict audits, after the caller exported them to
 -- archive (whose SHA-256 it gives). expected counts the rows exported per
 -- table; the batch is refused (RL020, nothing removed) if a receipt is kept
 -- by a guarantee, a chain is cut, or any count differs. Returns the batch.
@@ -217,6 +231,9 @@ BEGIN
     DELETE FROM reconciler.late_outcomes l WHERE l.receipt_id = ANY (ids);
     GET DIAGNOSTICS n = ROW_COUNT;
     removed := removed || jsonb_build_object('late_outcomes', n);
+    DELETE FROM reconciler.verdict_audits v WHERE v.receipt_id = ANY (ids);
+    GET DIAGNOSTICS n = ROW_COUNT;
+    removed := removed || jsonb_build_object('verdict_audits', n);
     DELETE FROM reconciler.receipts x WHERE x.id = ANY (ids);
     GET DIAGNOSTICS n = ROW_COUNT;
     removed := removed || jsonb_build_object('receipts', n);
@@ -269,6 +286,10 @@ END
 $$;
 -- +goose StatementEnd
 
+-- The keep rule probes window alarms by receipt (audit_queue and
+-- verdict_audits are unique on it already).
+CREATE INDEX window_alarms_receipt ON reconciler.window_alarms (receipt_id);
+
 REVOKE ALL ON FUNCTION reconciler.retention_remove_receipts(bigint[], text, text, timestamptz, interval, jsonb),
     reconciler.retention_remove_history(bigint, text, text, jsonb) FROM PUBLIC;
 
@@ -287,6 +308,7 @@ BEGIN
         GRANT SELECT ON reconciler.receipts, reconciler.receipt_events, reconciler.readback_checks,
             reconciler.late_outcomes, reconciler.duplicate_alarms, reconciler.lifetime_alarms,
             reconciler.gateway_responses, reconciler.webhook_receipts, reconciler.webhook_deliveries,
+            reconciler.audit_queue, reconciler.verdict_audits, reconciler.window_alarms,
             reconciler.retention_batches, reconciler.removed_receipts TO reconciler_retention;
     END IF;
     IF to_regrole('reconciler_readonly') IS NOT NULL THEN
@@ -314,6 +336,7 @@ $$;
 DROP FUNCTION reconciler.retention_remove_history(bigint, text, text, jsonb);
 DROP FUNCTION reconciler.retention_remove_receipts(bigint[], text, text, timestamptz, interval, jsonb);
 DROP FUNCTION reconciler.retention_keep_reason(reconciler.receipts, timestamptz, interval);
+DROP INDEX reconciler.window_alarms_receipt;
 -- +goose StatementBegin
 CREATE OR REPLACE FUNCTION reconciler.refuse_rewrite() RETURNS trigger LANGUAGE plpgsql AS $$
 BEGIN

@@ -42,6 +42,8 @@ type receipt struct {
 	hook    string        // a webhook delivery: "pending" or "delivered"
 	replay  bool          // a gateway response still replayable
 	late    bool          // a late outcome
+	audit   string        // its verdict's audit (00015): "pending" (queued) or a verdict_audits verdict
+	window  bool          // a window alarm names it
 	kept    bool          // what retention must do with it
 }
 
@@ -115,6 +117,24 @@ func insert(t *testing.T, db *pgxpool.Pool, rs []receipt) map[string]int64 {
 		if r.late {
 			mustExec(t, conn, `INSERT INTO reconciler.late_outcomes (receipt_id, actor, outcome) VALUES ($1, 'agent:x', 'rejected')`, id)
 		}
+		switch r.audit {
+		case "":
+		case "pending":
+			mustExec(t, conn, `INSERT INTO reconciler.audit_queue (receipt_id, dependency, settled_state, settled_at)
+				SELECT id, dependency, state, updated_at FROM reconciler.receipts WHERE id = $1`, id)
+		default:
+			mustExec(t, conn, `INSERT INTO reconciler.verdict_audits (receipt_id, dependency, operation, adapter,
+				settled_state, settled_at, at, instance, verdict, matches, evidence)
+				SELECT id, dependency, operation, 'test', state, updated_at, updated_at + interval '1 hour', 'test', $2,
+				       CASE $2 WHEN 'contradicted' THEN 1 ELSE 0 END, '{"read": "audit"}'
+				FROM reconciler.receipts WHERE id = $1`, id, r.audit)
+		}
+		if r.window {
+			mustExec(t, conn, `INSERT INTO reconciler.window_alarms (at, instance, dependency, adapter, operation,
+				receipt_id, kind, declared, observed, effective_before, effective_after)
+				VALUES (clock_timestamp(), 'test', 'api', 'test', 'things.create', $1, 'present_after_absence',
+				        interval '1 minute', interval '2 minutes', interval '1 minute', interval '2 minutes')`, id)
+		}
 	}
 	return ids
 }
@@ -162,6 +182,14 @@ func guarantees() []receipt {
 		{key: "hook-pending", state: "succeeded", settled: old, hook: "pending", kept: true},
 		{key: "hook-delivered", state: "succeeded", settled: old, hook: "delivered"},
 		{key: "replayable", state: "succeeded", settled: old, replay: true, kept: true},
+		{key: "audit-pending", state: "safe_to_retry", settled: old, audit: "pending", kept: true},
+		{key: "audit-pending#2", state: "succeeded", settled: old, retryOf: "audit-pending", kept: true},
+		{key: "audit-contradicted", state: "safe_to_retry", settled: old, audit: "contradicted", kept: true},
+		{key: "audit-contradicted#2", state: "succeeded", settled: old, retryOf: "audit-contradicted", kept: true},
+		{key: "audit-confirmed", state: "safe_to_retry", settled: old, audit: "confirmed"},
+		{key: "audit-confirmed#2", state: "succeeded", settled: old, retryOf: "audit-confirmed"},
+		{key: "audit-inconclusive", state: "succeeded", settled: old, audit: "inconclusive"},
+		{key: "window-alarm", state: "succeeded", settled: old, window: true, kept: true},
 	}
 }
 
@@ -171,7 +199,8 @@ func snapshot(t *testing.T, db *pgxpool.Pool) map[string][]string {
 	t.Helper()
 	out := map[string][]string{}
 	for _, tbl := range []string{"receipts", "late_outcomes", "webhook_receipts", "webhook_deliveries",
-		"gateway_responses", "receipt_events", "readback_checks", "duplicate_alarms", "receipt_keys"} {
+		"gateway_responses", "receipt_events", "readback_checks", "duplicate_alarms", "receipt_keys",
+		"verdict_audits", "audit_queue", "window_alarms"} {
 		rows, err := db.Query(context.Background(), `SELECT to_jsonb(x)::text FROM reconciler.`+tbl+` x`)
 		if err != nil {
 			t.Fatal(err)
@@ -218,7 +247,8 @@ func receiptIDs(t *testing.T, db *pgxpool.Pool, table, col string) []int64 {
 // with its history, and keeps every one a guarantee needs (unsettled,
 // manual_review, inside the policy, native-key retention, the absence
 // window, an open or unsettled retry chain, a duplicate alarm, a pending
-// webhook, a replayable gateway response, a lifetime alarm); the archive
+// webhook, a replayable gateway response, a lifetime alarm, an audit
+// pending or contradicting its verdict, a window alarm); the archive
 // holds exactly the rows removed, byte for byte as to_jsonb wrote them;
 // the keys stay.
 func TestRetentionKeepsWhatAGuaranteeNeeds(t *testing.T) {
@@ -247,6 +277,16 @@ func TestRetentionKeepsWhatAGuaranteeNeeds(t *testing.T) {
 	} {
 		if got := receiptIDs(t, db, c.table, c.col); !slices.Equal(got, want) {
 			t.Errorf("%s: receipts left %v, want %v", c.table, got, want)
+		}
+	}
+	// No row of 00015 is left naming a receipt that left.
+	for _, c := range []struct{ table, col string }{
+		{"verdict_audits", "receipt_id"}, {"audit_queue", "receipt_id"}, {"window_alarms", "receipt_id"},
+	} {
+		for _, id := range receiptIDs(t, db, c.table, c.col) {
+			if !slices.Contains(want, id) {
+				t.Errorf("%s: a row left for removed receipt %d", c.table, id)
+			}
 		}
 	}
 	for _, r := range fixture {
@@ -428,19 +468,21 @@ func TestRemovalRefusesWhatItMustKeep(t *testing.T) {
 		{key: "held", state: "manual_review", settled: 100 * day},
 		{key: "chain", state: "safe_to_retry", settled: 100 * day},
 		{key: "chain#2", state: "succeeded", settled: 100 * day, retryOf: "chain"},
+		{key: "audited", state: "succeeded", settled: 100 * day, audit: "confirmed"},
 	})
 	before := snapshot(t, db)
-	one := `{"receipts": 1, "late_outcomes": 0, "webhook_receipts": 0, "webhook_deliveries": 0, "gateway_responses": 0}`
+	one := `{"receipts": 1, "late_outcomes": 0, "verdict_audits": 0, "webhook_receipts": 0, "webhook_deliveries": 0, "gateway_responses": 0}`
 	for _, c := range []struct {
 		name     string
 		ids      []int64
 		expected string
 	}{
-		{"manual_review", []int64{ids["ok"], ids["held"]}, `{"receipts": 2, "late_outcomes": 0, "webhook_receipts": 0, "webhook_deliveries": 0, "gateway_responses": 0}`},
+		{"manual_review", []int64{ids["ok"], ids["held"]}, `{"receipts": 2, "late_outcomes": 0, "verdict_audits": 0, "webhook_receipts": 0, "webhook_deliveries": 0, "gateway_responses": 0}`},
 		{"chain cut at its retry", []int64{ids["chain"]}, one},
 		{"chain cut at its start", []int64{ids["chain#2"]}, one},
-		{"counts differ", []int64{ids["ok"]}, `{"receipts": 1, "late_outcomes": 1, "webhook_receipts": 0, "webhook_deliveries": 0, "gateway_responses": 0}`},
+		{"counts differ", []int64{ids["ok"]}, `{"receipts": 1, "late_outcomes": 1, "verdict_audits": 0, "webhook_receipts": 0, "webhook_deliveries": 0, "gateway_responses": 0}`},
 		{"missing receipt", []int64{ids["ok"], 999999}, one},
+		{"verdict audit not exported", []int64{ids["audited"]}, one},
 	} {
 		t.Run(c.name, func(t *testing.T) {
 			_, err := db.Exec(ctx, `SELECT reconciler.retention_remove_receipts($1, 'x', repeat('0', 64),
@@ -466,11 +508,11 @@ func TestDeleteOnlyInsideARemoval(t *testing.T) {
 	db := pgtest.NewPool(t)
 	ids := insert(t, db, []receipt{
 		{key: "gone", state: "succeeded", settled: 100 * day},
-		{key: "stays", state: "succeeded", settled: 100 * day},
+		{key: "stays", state: "succeeded", settled: 100 * day, audit: "confirmed"},
 	})
 	if _, err := db.Exec(ctx, `SELECT reconciler.retention_remove_receipts($1, 'x', repeat('0', 64),
 		clock_timestamp() - interval '90 days', interval '1 hour',
-		'{"receipts": 1, "late_outcomes": 0, "webhook_receipts": 0, "webhook_deliveries": 0, "gateway_responses": 0}')`,
+		'{"receipts": 1, "late_outcomes": 0, "verdict_audits": 0, "webhook_receipts": 0, "webhook_deliveries": 0, "gateway_responses": 0}')`,
 		[]int64{ids["gone"]}); err != nil {
 		t.Fatal(err)
 	}
@@ -482,6 +524,7 @@ func TestDeleteOnlyInsideARemoval(t *testing.T) {
 		`DELETE FROM reconciler.receipts WHERE id = $1`,
 		`DELETE FROM reconciler.receipt_events WHERE receipt_id = $1`,
 		`DELETE FROM reconciler.readback_checks WHERE receipt_id = $1`,
+		`DELETE FROM reconciler.verdict_audits WHERE receipt_id = $1`,
 		`UPDATE reconciler.receipt_events SET actor = 'x' WHERE receipt_id = $1`,
 	} {
 		for _, setting := range []string{"", "SET LOCAL reconciler.retention_batch = '" + strconv.FormatInt(batch, 10) + "'"} {
@@ -506,6 +549,7 @@ func TestDeleteOnlyInsideARemoval(t *testing.T) {
 		`DELETE FROM reconciler.removed_receipts`,
 		`TRUNCATE reconciler.removed_receipts`,
 		`TRUNCATE reconciler.receipt_events`,
+		`TRUNCATE reconciler.verdict_audits`,
 	} {
 		_, err := db.Exec(ctx, q)
 		var pe *pgconn.PgError

@@ -41,6 +41,7 @@ const (
 	// removal deletes them, one JSON object per row.
 	sqlExportReceipts = `SELECT 'receipts', to_jsonb(x) FROM reconciler.receipts x WHERE x.id = ANY ($1)
 	UNION ALL SELECT 'late_outcomes', to_jsonb(l) FROM reconciler.late_outcomes l WHERE l.receipt_id = ANY ($1)
+	UNION ALL SELECT 'verdict_audits', to_jsonb(v) FROM reconciler.verdict_audits v WHERE v.receipt_id = ANY ($1)
 	UNION ALL SELECT 'webhook_receipts', to_jsonb(w) FROM reconciler.webhook_receipts w WHERE w.receipt_id = ANY ($1)
 	UNION ALL SELECT 'webhook_deliveries', to_jsonb(d) FROM reconciler.webhook_deliveries d WHERE d.receipt_id = ANY ($1)
 	UNION ALL SELECT 'gateway_responses', to_jsonb(g) FROM reconciler.gateway_responses g WHERE g.receipt_id = ANY ($1)`
@@ -70,7 +71,7 @@ const (
 // removes from: the removal compares its count of each with the export's.
 // Functions, so no caller can change them.
 func receiptTables() []string {
-	return []string{"receipts", "late_outcomes", "webhook_receipts", "webhook_deliveries", "gateway_responses"}
+	return []string{"receipts", "late_outcomes", "verdict_audits", "webhook_receipts", "webhook_deliveries", "gateway_responses"}
 }
 
 func historyTables() []string { return []string{"receipt_events", "readback_checks"} }

@@ -32,7 +32,7 @@ func TestRetentionRole(t *testing.T) {
 	kept := unknown(t, agent, "ret:2", "blog-api")
 
 	remove := `SELECT reconciler.retention_remove_receipts($1, 'x', repeat('0', 64), clock_timestamp(), interval '0',
-		'{"receipts": 1, "late_outcomes": 0, "webhook_receipts": 0, "webhook_deliveries": 0, "gateway_responses": 0}')`
+		'{"receipts": 1, "late_outcomes": 0, "verdict_audits": 0, "webhook_receipts": 0, "webhook_deliveries": 0, "gateway_responses": 0}')`
 	for _, p := range []struct {
 		name string
 		exec func() error
