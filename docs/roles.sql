@@ -22,6 +22,7 @@
 -- after every migration; it is idempotent and converges, so running it again
 -- resets the grants below:
 --
+--   reconciler roles apply     (the binary embeds this file)
 --   psql -v ON_ERROR_STOP=1 "$RECONCILER_DATABASE_URL" -f docs/roles.sql
 --
 -- Creating roles needs CREATEROLE (or a superuser) once per server; roles are

@@ -20,7 +20,7 @@ var testKey = func() []byte {
 }()
 
 // Issue 8, item 6: a keyed fingerprint of secret values, reproducible in any
-// language. This is the example the README gives: the expected strings were
+// language. This is the example docs/concepts.md gives: the expected strings were
 // computed independently (Python's hmac and hashlib over hand-written
 // canonical JSON), not by this package.
 func TestKeyedFingerprintExample(t *testing.T) {

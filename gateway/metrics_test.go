@@ -8,7 +8,7 @@ import (
 )
 
 // An operator reading reconciler_gateway_requests_total sees every request
-// under the labels its help text (and the README) names: a forwarded call
+// under the labels its help text (and docs/reconciler.md) names: a forwarded call
 // under its route's prefix, a receipt read under route "receipts" with
 // outcome "read", and a path no route serves under route "none".
 func TestRequestMetricsNameWhatWasServed(t *testing.T) {

@@ -13,7 +13,7 @@ import (
 // `reconciler run`: each starts real daemon processes over a backlog whose
 // truth truthAPI knows, injects one fault, waits for every receipt to
 // settle (bounded), and checks each history and each verdict against the
-// truth. Each logs its figures (t.Logf); README "Reliability" quotes them.
+// truth. Each logs its figures (t.Logf); docs/reliability.md quotes them.
 func TestFaults(t *testing.T) {
 	bin := buildBinary(t)
 	t.Run("SigkillLoop", func(t *testing.T) { testSigkillLoop(t, bin) })

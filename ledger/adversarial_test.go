@@ -136,7 +136,10 @@ func TestBodylessCallIsNeverResentByTheTransport(t *testing.T) {
 // with code send_deadline_mid_write.
 func TestHTTP2BodyIsNeverWrittenAfterSendDeadline(t *testing.T) {
 	env := newHTTPEnv(t)
-	const delay = 300 * time.Millisecond
+	// The deadline must outlast the submit (a flushed commit and a TLS
+	// handshake, slow on a loaded machine) but not the body: the rest of
+	// the body is held until Do has returned, so no timing decides it.
+	const delay = 2 * time.Second
 	var bodyDone atomic.Int64 // unix nanos when the server had the whole body
 	srv := httptest.NewUnstartedServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		if _, err := io.ReadAll(r.Body); err != nil {
@@ -151,9 +154,10 @@ func TestHTTP2BodyIsNeverWrittenAfterSendDeadline(t *testing.T) {
 	t.Cleanup(srv.Close)
 
 	pr, pw := io.Pipe()
+	returned := make(chan struct{})
 	go func() {
 		pw.Write([]byte(`{"title":"slow`))
-		time.Sleep(4 * delay) // the rest of the body comes after the deadline
+		<-returned // the rest of the body comes after the deadline, if ever
 		pw.Write([]byte(` body"}`))
 		pw.Close()
 	}()
@@ -166,6 +170,7 @@ func TestHTTP2BodyIsNeverWrittenAfterSendDeadline(t *testing.T) {
 		Payload: []byte(`{"title":"slow body"}`), MaxSendDelay: delay}
 	caller := &ledger.Caller{Ledger: env.ledger, HTTP: srv.Client()}
 	res, err := caller.Do(context.Background(), in, req)
+	close(returned)
 	if res == nil || res.Receipt == nil {
 		t.Fatalf("Do: %v", err)
 	}

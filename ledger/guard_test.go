@@ -382,7 +382,9 @@ func TestIssue7SendDeadlineBoundsHTTP1Writes(t *testing.T) {
 // that request's deadline.
 func TestIssue7SendDeadlineLeavesHTTP2Alone(t *testing.T) {
 	env := newHTTPEnv(t)
-	const delay = 500 * time.Millisecond
+	// Long enough that the submit (a flushed commit and a TLS handshake,
+	// slow on a loaded machine) never uses the whole send deadline.
+	const delay = 2 * time.Second
 	var protos sync.Map
 	srv := httptest.NewUnstartedServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		io.Copy(io.Discard, r.Body)

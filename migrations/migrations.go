@@ -274,3 +274,28 @@ func fileNames(ms []Migration) []string {
 	}
 	return out
 }
+
+// SQL returns the text of embedded migration version: its file name and
+// the whole goose file (the Up part, then the Down part).
+func SQL(version int64) (file, text string, err error) {
+	ms, err := embedded()
+	if err != nil {
+		return "", "", err
+	}
+	for _, m := range ms {
+		if m.Version == version {
+			b, err := fs.ReadFile(files, m.File)
+			return m.File, string(b), err
+		}
+	}
+	return "", "", fmt.Errorf("migrations: no migration %d in this binary (it has %d to %d)", version, ms[0].Version, ms[len(ms)-1].Version)
+}
+
+// UpSQL is the part of a goose migration file that `migrate up` runs:
+// everything before its "-- +goose Down" annotation.
+func UpSQL(text string) string {
+	if i := strings.Index(text, "\n-- +goose Down"); i >= 0 {
+		return text[:i+1]
+	}
+	return text
+}

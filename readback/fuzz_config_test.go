@@ -44,7 +44,8 @@ func FuzzLoadAdaptersFile(f *testing.F) {
 		"version: 1\nadapters:\n  - [1, 2]\n",
 		"version: 1\nadapters:\n  - {name: a, type: http, kind: create, dependency: d, http: {}}\n",
 	}
-	for _, doc := range []string{"../README.md", "../docs/adapters.md"} {
+	docs, _ := filepath.Glob("../docs/*.md")
+	for _, doc := range append([]string{"../README.md"}, docs...) {
 		data, err := os.ReadFile(doc)
 		if err != nil {
 			f.Fatalf("seed %s: %v", doc, err)

@@ -232,7 +232,7 @@ func (s *session) control(b *readback.Binding, r readback.Receipt, kind ControlK
 		if e.verdict(now, cfg.ControlValidFor).ok {
 			ok = 1
 		}
-		p.m.ControlOK.WithLabelValues(b.Name, r.Operation, string(kind)).Set(ok)
+		p.m.controlReported(b.Name, r.Operation, kind, ok)
 	}
 	return e.verdictFor(now, cfg.ControlValidFor, r.SubmittedAt)
 }

@@ -128,7 +128,7 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 		}),
 		ControlOK: prometheus.NewGaugeVec(prometheus.GaugeOpts{
 			Name: "reconciler_adapter_control_ok",
-			Help: "1 while the adapter's positive control (control: present, which gates absences; gone, which gates a delete's still-present) passed recently for the operation, 0 when it failed or has none.",
+			Help: "1 while the adapter's positive control (control: present, which gates absences; gone, which gates a delete's still-present) passed recently for the operation, 0 when it failed or has none; NaN, with operation \"\", until the adapter's first control of that kind has run.",
 		}, []string{"adapter", "operation", "control"}),
 	}
 	if reg != nil {

@@ -272,6 +272,7 @@ func New(db *pgxpool.Pool, cfg Config) (*Pool, error) {
 	}
 	if cfg.Metrics != nil {
 		p.refusals.gauge = cfg.Metrics.WritesBlocked
+		cfg.Metrics.Known(cfg.Registry)
 	}
 	return p, nil
 }

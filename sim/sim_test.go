@@ -62,7 +62,7 @@ func TestLedgerReconcilerLeavesNoDuplicateNorOrphan(t *testing.T) {
 	})
 }
 
-// TestRetriesDuplicateOnMedium pins one case the README's table shows:
+// TestRetriesDuplicateOnMedium pins one case docs/experiment.md's table shows:
 // retries without idempotency keys duplicate writes on the medium profile.
 func TestRetriesDuplicateOnMedium(t *testing.T) {
 	rep := run(t, Options{Tasks: 48, Seed: 1, Strategies: []string{Retries, RetriesIdempotency}})

@@ -69,8 +69,8 @@ func adaptersCheckAction(c *cli.Context) error {
 	_, _ = out.Write([]byte(limits.String())) // laid out by printDependencyLimits; the guard applies
 	var db *pgxpool.Pool
 	if url != "" && (c.Bool("control") || c.IsSet("receipt")) {
-		if db, err = pgxpool.New(c.Context, url); err != nil {
-			return cli.Exit(fmt.Sprintf("adapters check: database: %v", err), 1) // pgx redacts passwords
+		if db, err = openDatabase(c.Context, "adapters check", url); err != nil {
+			return err
 		}
 		defer db.Close()
 		if err := checkLedger(c.Context, "adapters check", db, readLedger); err != nil {

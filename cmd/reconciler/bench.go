@@ -43,7 +43,7 @@ func benchCommand() *cli.Command {
 	}
 }
 
-// The bench's tuning, also the run defaults' reasoning (see the README):
+// The bench's tuning, also the run defaults' reasoning (see docs/benchmarks.md):
 // with a no-op adapter the work is all in Postgres, so the batch is large
 // enough to amortise a round trip and a statement-level trigger over
 // hundreds of rows, and small enough that a claim's locks and the transition

@@ -6,7 +6,7 @@ import (
 
 	"github.com/urfave/cli/v2"
 
-	"github.com/receiptledger/reconciler/internal/benchgw"
+	"github.com/receiptledger/reconciler/cmd/reconciler/internal/benchgw"
 )
 
 func benchGatewayCommand() *cli.Command {

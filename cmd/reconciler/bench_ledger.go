@@ -7,7 +7,7 @@ import (
 
 	"github.com/urfave/cli/v2"
 
-	"github.com/receiptledger/reconciler/internal/benchlife"
+	"github.com/receiptledger/reconciler/cmd/reconciler/internal/benchlife"
 	"github.com/receiptledger/reconciler/ledger"
 )
 

@@ -9,7 +9,7 @@ import (
 	"github.com/receiptledger/reconciler/internal/pgtest"
 )
 
-// TestDemo runs the README's main job end to end: agents against a fake API
+// TestDemo runs the README's demo end to end: agents against a fake API
 // that loses answers, the reconciler settling them, retries of what was
 // proven absent. It fails if any task is duplicated or lost.
 func TestDemo(t *testing.T) {

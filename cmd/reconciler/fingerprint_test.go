@@ -242,7 +242,7 @@ func TestFingerprintHelp(t *testing.T) {
 }
 
 // Issue 8, item 6: `reconciler fingerprint --secret` keys secret values with
-// the deployment's key from the environment (the README's example), and
+// the deployment's key from the environment (docs/concepts.md's example), and
 // refuses a secret field without a key or a secret pointer that matches
 // nothing, without printing the value.
 func TestFingerprintSecretKey(t *testing.T) {

@@ -21,7 +21,11 @@ func TestNormalizeArgs(t *testing.T) {
 		{"--database-url U migrate status", "migrate status --database-url U"},
 		{"migrate --database-url U down", "migrate down --database-url U"},
 		{"migrate down --database-url=U", "migrate down --database-url=U"},
-		{"migrate --database-url U", "migrate --database-url U"},
+		// A group without its subcommand prints its help: the flags its
+		// subcommands take are dropped, as for every group.
+		{"migrate --database-url U", "migrate"},
+		{"review --database-url U", "review"},
+		{"review --bogus", "review --bogus"},
 		{"review show 12 --json", "review show --json 12"},
 		{"--json review show 12 --database-url U", "review show --json --database-url U 12"},
 		{"review resolve 12 --as rejected --reason gone", "review resolve --as rejected --reason gone 12"},

@@ -70,9 +70,9 @@ func gatewayAction(c *cli.Context) error {
 	}
 	// A pool that watches the server's warnings: a submit whose wait for
 	// a synchronous standby was canceled is never followed by a send.
-	db, err := ledger.NewPool(ctx, c.String("database-url"))
+	db, err := openLedgerPool(ctx, "gateway", c.String("database-url"))
 	if err != nil {
-		return cli.Exit(fmt.Sprintf("gateway: database: %v", err), 1)
+		return err
 	}
 	defer db.Close()
 	if err := checkLedger(ctx, "gateway", db, callThrough); err != nil {

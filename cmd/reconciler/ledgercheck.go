@@ -51,6 +51,9 @@ var (
 // nothing is created or written.
 func checkLedger(ctx context.Context, cmd string, pool *pgxpool.Pool, need access) error {
 	if err := migrations.Check(ctx, pool); err != nil {
+		if msg, ok := connectFailure(cmd, err); ok {
+			return cli.Exit(msg, 1)
+		}
 		var se *migrations.SchemaError
 		if errors.As(err, &se) {
 			return cli.Exit(fmt.Sprintf("%s: %v", cmd, err), 1)
@@ -75,6 +78,9 @@ func refusal(cmd string, pool *pgxpool.Pool, need access) string {
 // dbFailure is the one-line error of a failed database operation: a
 // permission refusal names the role that has the right.
 func dbFailure(cmd string, pool *pgxpool.Pool, err error, need access) error {
+	if msg, ok := connectFailure(cmd, err); ok {
+		return cli.Exit(msg, 1)
+	}
 	var pe *pgconn.PgError
 	if errors.As(err, &pe) && pe.Code == "42501" {
 		return cli.Exit(refusal(cmd, pool, need)+": "+pe.Message, 1)

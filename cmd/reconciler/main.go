@@ -70,9 +70,16 @@ func newApp(stdin io.Reader, stdout, stderr io.Writer) *cli.App {
 		OnUsageError: func(c *cli.Context, err error, _ bool) error {
 			return cli.Exit(err.Error(), 2)
 		},
+		Flags: []cli.Flag{&cli.BoolFlag{Name: "version", Usage: "print the version, as the version command does"}},
 		Action: func(c *cli.Context) error {
+			if c.Bool("version") {
+				return printVersion(c)
+			}
+			if c.Args().First() == "help" {
+				return helpAction(c)
+			}
 			if c.Args().Present() {
-				return cli.Exit(fmt.Sprintf("unknown command %q (see reconciler --help)", c.Args().First()), 2)
+				return cli.Exit(unknownCommand("reconciler", c.App.Commands, c.Args().First()), 2)
 			}
 			return cli.ShowAppHelp(c)
 		},
@@ -91,6 +98,7 @@ func newApp(stdin io.Reader, stdout, stderr io.Writer) *cli.App {
 			receiptsCommand(),
 			archiveCommand(),
 			versionCommand(),
+			rolesCommand(),
 		},
 	}
 	refuseUnknownSubcommands("reconciler", app.Commands)
@@ -178,7 +186,14 @@ func normalizeArgs(app *cli.App, args []string) (_ []string, unknown string) {
 		path += " " + l.name
 	}
 	if len(positional) > 0 && len(subs) > 0 && positional[0] != "help" {
-		return nil, fmt.Sprintf("unknown command %q (see %s --help)", path+" "+positional[0], path)
+		return nil, unknownCommand(path, subs, positional[0])
+	}
+	if len(positional) == 0 && len(subs) > 0 && len(levels) > 1 {
+		// A command group named without its subcommand prints its help
+		// (exit 0) whatever flags came with it, as long as one of its
+		// subcommands declares them: `review --database-url URL` as
+		// `migrate --database-url URL`.
+		pending = slices.DeleteFunc(pending, func(f flagTok) bool { return declaredBelow(subs, f.name) })
 	}
 	if missing != "" {
 		return nil, fmt.Sprintf("%s: flag needs an argument: %s", strings.TrimPrefix(path, "reconciler "), missing)
@@ -359,7 +374,7 @@ func refuseUnknownSubcommands(prefix string, cmds []*cli.Command) {
 		if len(c.Subcommands) > 0 && c.Action == nil {
 			c.Action = func(ctx *cli.Context) error {
 				if first := ctx.Args().First(); first != "" && first != "help" {
-					return cli.Exit(fmt.Sprintf("unknown command %q (see %s --help)", path+" "+first, path), 2)
+					return cli.Exit(unknownCommand(path, c.Subcommands, first), 2)
 				}
 				return cli.ShowSubcommandHelp(ctx)
 			}

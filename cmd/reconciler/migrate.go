@@ -19,9 +19,9 @@ func migrateCommand() *cli.Command {
 	// its error into the command's one-line failure.
 	withProvider := func(c *cli.Context, f func(p *goose.Provider) error) error {
 		cmd := "migrate " + c.Command.Name
-		cfg, err := pgxpool.ParseConfig(c.String("database-url"))
+		cfg, err := parseDatabaseURL(cmd, c.String("database-url"))
 		if err != nil {
-			return cli.Exit(fmt.Sprintf("%s: %v", cmd, err), 1)
+			return err
 		}
 		// A migration's DDL queues for its lock on receipts behind any
 		// open transaction that touched them, and every agent's next move
@@ -42,10 +42,14 @@ func migrateCommand() *cli.Command {
 			return cli.Exit(fmt.Sprintf("%s: %v", cmd, err), 1)
 		}
 		defer pool.Close()
+		checkErr := migrations.Check(c.Context, pool)
+		if msg, ok := connectFailure(cmd, checkErr); ok {
+			return cli.Exit(msg, 1)
+		}
 		// An up-to-date schema needs nothing, not even the right to
 		// create it (goose's first statement), so `migrate up` says so to
 		// any login that can read the version table.
-		if c.Command.Name == "up" && migrations.Check(c.Context, pool) == nil {
+		if c.Command.Name == "up" && checkErr == nil {
 			fmt.Fprintf(c.App.Writer, "migrations: nothing to apply, the schema is at version %d\n", migrations.Latest())
 			return nil
 		}
@@ -57,6 +61,9 @@ func migrateCommand() *cli.Command {
 		}
 		var pe *pgconn.PgError
 		var partial *goose.PartialError
+		if msg, ok := connectFailure(cmd, err); ok {
+			return cli.Exit(msg, 1)
+		}
 		switch {
 		case err == nil:
 			return nil
@@ -92,8 +99,12 @@ func migrateCommand() *cli.Command {
 			{
 				Name:  "up",
 				Usage: "apply every pending migration",
-				Flags: []cli.Flag{databaseURLFlag(), lockTimeoutFlag()},
+				Flags: []cli.Flag{databaseURLFlag(), lockTimeoutFlag(),
+					&cli.BoolFlag{Name: "dry-run", Usage: "print the SQL of every pending migration, apply nothing (reads only)"}},
 				Action: func(c *cli.Context) error {
+					if c.Bool("dry-run") {
+						return migrateDryRun(c)
+					}
 					return withProvider(c, func(p *goose.Provider) error {
 						res, err := p.Up(c.Context)
 						for _, r := range res {
@@ -138,16 +149,25 @@ func migrateCommand() *cli.Command {
 				},
 			},
 			{
+				Name:      "show",
+				Usage:     "print the SQL of embedded migration N (its Up and Down parts), touching no database",
+				ArgsUsage: "N",
+				Action:    migrateShow,
+			},
+			{
 				Name:  "status",
 				Usage: "list migrations and whether each is applied (reads only: creates nothing)",
 				Flags: []cli.Flag{databaseURLFlag()},
 				Action: func(c *cli.Context) error {
-					pool, err := pgxpool.New(c.Context, c.String("database-url"))
+					pool, err := openDatabase(c.Context, "migrate status", c.String("database-url"))
 					if err != nil {
-						return cli.Exit(fmt.Sprintf("migrate status: %v", err), 1)
+						return err
 					}
 					defer pool.Close()
 					ms, exists, unknown, err := migrations.Status(c.Context, pool)
+					if msg, ok := connectFailure("migrate status", err); ok {
+						return cli.Exit(msg, 1)
+					}
 					if err != nil {
 						return cli.Exit(fmt.Sprintf("migrate status: %v", err), 1)
 					}

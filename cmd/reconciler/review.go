@@ -238,9 +238,9 @@ func receiptID(c *cli.Context, cmd string) (int64, error) {
 // openPool connects to --database-url and checks, reading only, that the
 // schema is current and that the login may do what need says.
 func openPool(c *cli.Context, cmd string, need access) (*pgxpool.Pool, error) {
-	pool, err := pgxpool.New(c.Context, c.String("database-url"))
+	pool, err := openDatabase(c.Context, cmd, c.String("database-url"))
 	if err != nil {
-		return nil, cli.Exit(fmt.Sprintf("%s: %v", cmd, err), 1)
+		return nil, err
 	}
 	if err := checkLedger(c.Context, cmd, pool, need); err != nil {
 		pool.Close()

@@ -24,7 +24,6 @@ import (
 
 	"github.com/receiptledger/reconciler/internal/dbclock"
 	"github.com/receiptledger/reconciler/internal/protect"
-	"github.com/receiptledger/reconciler/ledger"
 	"github.com/receiptledger/reconciler/readback"
 	"github.com/receiptledger/reconciler/readback/httpadapter"
 	"github.com/receiptledger/reconciler/reconcile"
@@ -151,9 +150,9 @@ func runAction(c *cli.Context) error {
 		return cli.Exit(fmt.Sprintf("run: %v", err), 2) // the flags
 	}
 
-	db, err := ledger.NewPool(ctx, c.String("database-url"))
+	db, err := openLedgerPool(ctx, "run", c.String("database-url"))
 	if err != nil {
-		return cli.Exit(fmt.Sprintf("run: database: %v", err), 1) // pgx redacts passwords
+		return err
 	}
 	defer db.Close()
 	if err := checkLedger(ctx, "run", db, settle); err != nil {

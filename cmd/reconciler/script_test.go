@@ -55,7 +55,8 @@ var scriptRoles = map[string]string{
 // them, and every command under each role of docs/roles.sql. Each script
 // gets a fresh migrated database (DATABASE_URL, the owner's), with
 // docs/roles.sql applied and a login per role (AGENT_URL, WORKER_URL,
-// REVIEWER_URL, READONLY_URL, NOROLE_URL); SCHEMA_VERSION is the version
+// REVIEWER_URL, READONLY_URL, NOROLE_URL) and BADLOGIN_URL, a login the
+// server does not know; SCHEMA_VERSION is the version
 // `migrate up` reaches. RECONCILER_DATABASE_URL is not set: a script sets
 // it where it tests the variable.
 //
@@ -174,6 +175,15 @@ func setupScript(env *testscript.Env, logins map[string]scriptLogin) error {
 		u.User = url.UserPassword(l.name, l.password)
 		env.Setenv(scriptRoles[group], u.String())
 	}
+	// A login the server does not know, with a password: what a mistyped
+	// user or a wrong password gets (the test server may trust every
+	// known login whatever its password).
+	u, err := url.Parse(dbURL)
+	if err != nil {
+		return err
+	}
+	u.User = url.UserPassword("ts_nobody_"+strings.ToLower(rand.Text()[:8]), "wrong")
+	env.Setenv("BADLOGIN_URL", u.String())
 	env.Values[scriptDBKey{}] = &scriptDB{tb: tb, url: dbURL, owner: owner}
 	return nil
 }

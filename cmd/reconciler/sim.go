@@ -36,7 +36,8 @@ func simCommand() *cli.Command {
 			&cli.IntFlag{Name: "attempts", Value: 6, Usage: "attempts per call for every strategy that retries"},
 			&cli.BoolFlag{Name: "json", Usage: "print the report as JSON"},
 			&cli.BoolFlag{Name: "csv", Usage: "print the report as CSV"},
-			&cli.StringFlag{Name: "svg", Usage: "also write a bar chart of strict success and duplicates per strategy to `FILE`"},
+			&cli.StringFlag{Name: "svg", Usage: "also write a bar chart of strict success and duplicates per strategy to `FILE` (a new file: see --overwrite)"},
+			&cli.BoolFlag{Name: "overwrite", Usage: "let --svg replace an existing file (such as the charts under docs/)"},
 		},
 		Action: func(c *cli.Context) error {
 			if c.Bool("json") && c.Bool("csv") {
@@ -59,6 +60,15 @@ func simCommand() *cli.Command {
 				Concurrency: c.Int("concurrency"), Attempts: c.Int("attempts")}
 			if o.Tasks < 1 || o.Concurrency < 1 || o.Attempts < 1 {
 				return cli.Exit("sim: --tasks, --concurrency and --attempts must be at least 1", 2)
+			}
+			// A run's chart replaces a file only when asked: the charts the
+			// docs show are tracked files, and a run with another seed or
+			// on another machine would silently change them. Checked
+			// before the run, not after 20 s of it.
+			if svg := c.String("svg"); svg != "" && !c.Bool("overwrite") {
+				if _, err := os.Lstat(svg); err == nil {
+					return cli.Exit(fmt.Sprintf("sim: %s exists: pass --overwrite to replace it, or write the chart elsewhere", svg), 1)
+				}
 			}
 			if err := runSim(c.Context, c.App.Writer, c.App.ErrWriter, c.String("database-url"), o,
 				c.Bool("json"), c.Bool("csv"), c.String("svg")); err != nil {

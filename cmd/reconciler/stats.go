@@ -5,7 +5,6 @@ import (
 	"strings"
 	"time"
 
-	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/urfave/cli/v2"
 
 	"github.com/receiptledger/reconciler/ledger"
@@ -25,9 +24,9 @@ func statsCommand() *cli.Command {
 			&cli.BoolFlag{Name: "json", Usage: "print JSON instead of name=value lines"},
 		}, verdictFlags()...),
 		Action: func(c *cli.Context) error {
-			db, err := pgxpool.New(c.Context, c.String("database-url"))
+			db, err := openDatabase(c.Context, "stats", c.String("database-url"))
 			if err != nil {
-				return cli.Exit(fmt.Sprintf("stats: %v", err), 1)
+				return err
 			}
 			defer db.Close()
 			store, err := reconcile.NewStore(db, "stats")

@@ -29,29 +29,32 @@ type buildVersion struct {
 
 func versionCommand() *cli.Command {
 	return &cli.Command{
-		Name:  "version",
-		Usage: "print the version, commit and Go version of this binary and the schema version it needs",
-		Flags: []cli.Flag{&cli.BoolFlag{Name: "json", Usage: "print JSON"}},
-		Action: func(c *cli.Context) error {
-			v, err := readVersion()
-			if err != nil {
-				return cli.Exit("version: "+err.Error(), 1)
-			}
-			if c.Bool("json") {
-				return writeJSON(c.App.Writer, v)
-			}
-			commit := v.Commit
-			if commit == "" {
-				commit = "unknown"
-			}
-			if v.Modified {
-				commit += " (modified)"
-			}
-			scr := newScreen(c.App.Writer)
-			scr.Printf("reconciler %s\ncommit: %s\ngo: %s\nschema: %d (%s)\n", v.Version, commit, v.Go, v.Schema, v.SchemaMigration)
-			return nil
-		},
+		Name:   "version",
+		Usage:  "print the version, commit and Go version of this binary and the schema version it needs",
+		Flags:  []cli.Flag{&cli.BoolFlag{Name: "json", Usage: "print JSON"}},
+		Action: printVersion,
 	}
+}
+
+// printVersion is `reconciler version` and `reconciler --version`.
+func printVersion(c *cli.Context) error {
+	v, err := readVersion()
+	if err != nil {
+		return cli.Exit("version: "+err.Error(), 1)
+	}
+	if c.Bool("json") {
+		return writeJSON(c.App.Writer, v)
+	}
+	commit := v.Commit
+	if commit == "" {
+		commit = "unknown"
+	}
+	if v.Modified {
+		commit += " (modified)"
+	}
+	scr := newScreen(c.App.Writer)
+	scr.Printf("reconciler %s\ncommit: %s\ngo: %s\nschema: %d (%s)\n", v.Version, commit, v.Go, v.Schema, v.SchemaMigration)
+	return nil
 }
 
 func readVersion() (buildVersion, error) {

@@ -21,7 +21,8 @@ documents, or Receipt-Retryable on an upstream refusal):
 Environment: GATEWAY_URL (http://127.0.0.1:7070), GATEWAY_TOKEN (this
 agent's token), GATEWAY_PATH (/blog/articles), AGENT_PREFIX (py),
 AGENT_CALLS (10), AGENT_CONCURRENCY (4). It prints one JSON line at the end:
-{"done": n, "failed": [...], "sends": n, "waits": n}.
+{"done": n, "failed": [...], "sends": n, "waits": n}, and exits 0 when every
+call was done, 1 when any failed (2 when GATEWAY_TOKEN is not set).
 """
 
 import json
@@ -126,7 +127,8 @@ def main():
             except Exception as err:  # reported, not hidden
                 report["failed"].append("%d: %s" % (i, err))
     print(json.dumps(report))
-    return 0
+    # A script running this must be able to tell: 1 when any call failed.
+    return 1 if report["failed"] else 0
 
 
 if __name__ == "__main__":

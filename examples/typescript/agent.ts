@@ -20,7 +20,8 @@
 //
 // Environment: GATEWAY_URL, GATEWAY_TOKEN, GATEWAY_PATH (/blog/articles),
 // AGENT_PREFIX (ts), AGENT_CALLS (10), AGENT_CONCURRENCY (4). It prints one
-// JSON line at the end: {"done": n, "failed": [...], "sends": n, "waits": n}.
+// JSON line at the end: {"done": n, "failed": [...], "sends": n, "waits": n},
+// and exits 0 when every call was done, 1 when any failed (2 without a token).
 
 // Node's globals, declared here so the example needs no @types package.
 declare const process: {
@@ -150,6 +151,10 @@ async function main(): Promise<void> {
   };
   await Promise.all(Array.from({ length: CONCURRENCY }, worker));
   console.log(JSON.stringify(report));
+  // A script running this must be able to tell: 1 when any call failed.
+  if (report.failed.length > 0) {
+    process.exitCode = 1;
+  }
 }
 
 main().catch((err) => {

@@ -1,4 +1,4 @@
-package ledger_test
+package benchlife_test
 
 import (
 	"context"
@@ -6,7 +6,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/receiptledger/reconciler/internal/benchlife"
+	"github.com/receiptledger/reconciler/cmd/reconciler/internal/benchlife"
 	"github.com/receiptledger/reconciler/internal/pgtest"
 	"github.com/receiptledger/reconciler/ledger"
 )
@@ -14,7 +14,7 @@ import (
 // BenchmarkLifecycle measures a full agent lifecycle (plan, submit,
 // succeed) with 1, 8 and 32 concurrent agents, through the ledger client
 // and, in the same run and database server, through bare SQL doing the same
-// durable work in three commits (internal/benchlife, as `reconciler bench
+// durable work in three commits (this package, as `reconciler bench
 // ledger` does). "ledger" is the path Caller.Do takes: PlanAndSubmit
 // (planned and submitted, both events, one commit) then Succeed.
 // "ledger-moves" makes the three moves one by one (Plan, Submit, Succeed:
@@ -24,7 +24,7 @@ import (
 // SQL's, when the bare-SQL run of the same agent count ran just before (the
 // default).
 //
-//	go test ./ledger -run '^$' -bench Lifecycle -benchtime 3000x
+//	go test ./cmd/reconciler/internal/benchlife -run '^$' -bench Lifecycle -benchtime 3000x
 func BenchmarkLifecycle(b *testing.B) {
 	bare := map[int]benchlife.Stats{}
 	for _, agents := range []int{1, 8, 32} {

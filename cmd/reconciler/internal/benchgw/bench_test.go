@@ -1,4 +1,4 @@
-package gateway_test
+package benchgw_test
 
 import (
 	"context"
@@ -6,7 +6,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/receiptledger/reconciler/internal/benchgw"
+	"github.com/receiptledger/reconciler/cmd/reconciler/internal/benchgw"
 	"github.com/receiptledger/reconciler/internal/pgtest"
 )
 
@@ -21,7 +21,7 @@ import (
 // Caller.Do, the cost of the proxy itself beyond the ledger's writes. `reconciler bench gateway`
 // prints the same figures.
 //
-//	go test ./gateway -run '^$' -bench Gateway -benchtime 2000x
+//	go test ./cmd/reconciler/internal/benchgw -run '^$' -bench Gateway -benchtime 2000x
 func BenchmarkGateway(b *testing.B) {
 	for _, agents := range []int{1, 8} {
 		b.Run("agents="+strconv.Itoa(agents), func(b *testing.B) {
