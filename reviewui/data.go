@@ -192,6 +192,7 @@ type entry struct {
 	Check     *check
 	Late      *lateOutcome
 	Duplicate *duplicate
+	Audit     *review.Audit
 }
 
 // detail is everything the receipt page shows.
@@ -199,6 +200,9 @@ type detail struct {
 	Timeline *review.Timeline
 	Entries  []entry
 	Checks   int
+	// Contradicted is whether an audit read found the effect whose absence
+	// the receipt settled on: its terminal state was a wrong verdict.
+	Contradicted bool
 }
 
 func (s *Server) detail(ctx context.Context, id int64) (*detail, error) {
@@ -258,6 +262,10 @@ func (s *Server) detail(ctx context.Context, id int64) (*detail, error) {
 	}
 	for i := range dups {
 		d.Entries = append(d.Entries, entry{At: dups[i].At, Duplicate: &dups[i]})
+	}
+	for i := range t.Audits {
+		d.Entries = append(d.Entries, entry{At: t.Audits[i].At, Audit: &t.Audits[i]})
+		d.Contradicted = d.Contradicted || t.Audits[i].Verdict == reconcile.AuditContradicted
 	}
 	// One story in time order; a move and the check that led to it can
 	// share a timestamp, and then the check comes first (it is why).

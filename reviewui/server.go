@@ -290,6 +290,10 @@ type queueBody struct {
 	Matches  int64
 	More     bool
 	Limit    int
+	// Contradicted are the settled absences an audit contradicted
+	// (reason false_absence) that match the filter: terminal, so not
+	// held, but a person looks for the duplicate a retry made.
+	Contradicted []review.Contradiction
 }
 
 func (s *Server) queue(w http.ResponseWriter, r *http.Request, id Identity) {
@@ -318,6 +322,10 @@ func (s *Server) queue(w http.ResponseWriter, r *http.Request, id Identity) {
 	ctx := r.Context()
 	var err error
 	if body.Held, err = review.List(ctx, s.pool, f); err != nil {
+		s.fail(w, r, err)
+		return
+	}
+	if body.Contradicted, err = review.Contradicted(ctx, s.pool, f); err != nil {
 		s.fail(w, r, err)
 		return
 	}

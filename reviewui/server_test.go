@@ -292,7 +292,7 @@ func TestQueuePlansAt100kHeld(t *testing.T) {
 	if _, err := srv.readCounts(context.Background()); err != nil {
 		t.Fatal(err)
 	}
-	for _, q := range []string{"", "?dependency=dep-7", "?operation=op-3", "?reason=diverged", "?reason=lifetime_exceeded",
+	for _, q := range []string{"", "?dependency=dep-7", "?operation=op-3", "?reason=diverged", "?reason=lifetime_exceeded", "?reason=false_absence",
 		"?age=1000h", "?dependency=dep-7&operation=op-7&reason=bound_reached&age=24h", "?dependency=dep-none"} {
 		tr.stmts = nil
 		req := httptest.NewRequest(http.MethodGet, "/"+q, nil)

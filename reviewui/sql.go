@@ -69,6 +69,21 @@ var alarmSources = []alarmSource{
 			"declared request lifetime is too short (migration 00014)",
 		SQL: `SELECT count(*), max(detected_at) FROM reconciler.lifetime_alarms`,
 	},
+	{
+		// The partial index verdict_audits_contradicted holds just these rows.
+		Name:  "false absences",
+		Table: "reconciler.verdict_audits",
+		Help: "settled absences a later audit read contradicted: the effect exists, so a retry made on " +
+			"that verdict may have made a duplicate (migration 00015, docs/verdict-audits.md)",
+		SQL: `SELECT count(*), max(at) FROM reconciler.verdict_audits WHERE verdict = 'contradicted'`,
+	},
+	{
+		Name:  "window alarms",
+		Table: "reconciler.window_alarms",
+		Help: "effects found after an authoritative absence past the declared window: that dependency's " +
+			"window was widened and its declaration is too short (migration 00015)",
+		SQL: `SELECT count(*), max(at) FROM reconciler.window_alarms`,
+	},
 }
 
 // sqlTableExists says whether a table exists. $1 its qualified name.
