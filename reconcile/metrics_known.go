@@ -19,7 +19,7 @@ var (
 // every series its alert rules and dashboard read (a labelled family has
 // no series until something sets one, and a query over a missing series
 // answers nothing rather than zero): each dependency's breaker closed,
-// its check failures and the refused writes at 0. A positive control that
+// its check failures, lifetime alarms and the refused writes at 0. A positive control that
 // has not run yet is NaN: neither passed (1) nor failed (0), so the alert
 // on a failing control (== 0) stays quiet until a control has run and
 // failed. The pool replaces the NaN (adapter, operation "", control) entry
@@ -45,6 +45,15 @@ func (m *Metrics) Known(reg *readback.Registry) {
 			m.Breaker.WithLabelValues(b.Dependency, "open").Set(0)
 			m.Failures.WithLabelValues(b.Dependency, "transient")
 			m.Failures.WithLabelValues(b.Dependency, "permanent")
+		}
+		// A late answer can void an absence of any operation the adapter
+		// reads; "" stands for "every operation" where none is listed.
+		ops := b.Operations
+		if len(ops) == 0 {
+			ops = []string{""}
+		}
+		for _, op := range ops {
+			m.LifetimeExceeded.WithLabelValues(b.Dependency, op)
 		}
 		kinds := []ControlKind{ControlPresent}
 		if b.Kind == readback.Delete {
