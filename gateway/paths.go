@@ -1,6 +1,10 @@
 package gateway
 
-import "strings"
+import (
+	"strings"
+
+	"github.com/receiptledger/reconciler/internal/percent"
+)
 
 // normalEscapes is s in the normal form of RFC 3986 §6.2.2.2: a
 // percent-encoded unreserved character (ALPHA, DIGIT, "-", ".", "_", "~")
@@ -19,12 +23,11 @@ func normalEscapes(s string) string {
 	b.Grow(len(s))
 	b.WriteString(s[:i])
 	for ; i < len(s); i++ {
-		c := s[i]
-		if c != '%' || i+2 >= len(s) || !isHex(s[i+1]) || !isHex(s[i+2]) {
-			b.WriteByte(c)
+		d, ok := percent.At(s, i)
+		if !ok {
+			b.WriteByte(s[i])
 			continue
 		}
-		d := unhex(s[i+1])<<4 | unhex(s[i+2])
 		if unreserved(d) {
 			b.WriteByte(d)
 		} else {
@@ -40,20 +43,6 @@ func normalEscapes(s string) string {
 // unreserved reports whether c is an unreserved character (RFC 3986 §2.3).
 func unreserved(c byte) bool {
 	return 'a' <= c && c <= 'z' || 'A' <= c && c <= 'Z' || '0' <= c && c <= '9' || c == '-' || c == '.' || c == '_' || c == '~'
-}
-
-func isHex(c byte) bool {
-	return '0' <= c && c <= '9' || 'a' <= c && c <= 'f' || 'A' <= c && c <= 'F'
-}
-
-func unhex(c byte) byte {
-	switch {
-	case c >= 'a':
-		return c - 'a' + 10
-	case c >= 'A':
-		return c - 'A' + 10
-	}
-	return c - '0'
 }
 
 func upperHex(c byte) byte {

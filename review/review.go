@@ -405,3 +405,18 @@ func leave(ctx context.Context, pool *pgxpool.Pool, r Resolution, action string)
 	}
 	return nil, fmt.Errorf("review: %w", err)
 }
+
+// FormatAge prints d the way a person scans a queue: two units at most.
+// The review page and the review CLI both show a held receipt's age with it.
+func FormatAge(d time.Duration) string {
+	d = d.Round(time.Second)
+	switch {
+	case d < time.Minute:
+		return fmt.Sprintf("%ds", int(d.Seconds()))
+	case d < time.Hour:
+		return fmt.Sprintf("%dm%02ds", int(d.Minutes()), int(d.Seconds())%60)
+	case d < 48*time.Hour:
+		return fmt.Sprintf("%dh%02dm", int(d.Hours()), int(d.Minutes())%60)
+	}
+	return fmt.Sprintf("%dd%02dh", int(d.Hours())/24, int(d.Hours())%24)
+}

@@ -13,6 +13,7 @@ import (
 
 	"github.com/receiptledger/reconciler/fingerprint"
 	"github.com/receiptledger/reconciler/internal/sanitize"
+	"github.com/receiptledger/reconciler/review"
 	"github.com/receiptledger/reconciler/statemachine"
 )
 
@@ -193,20 +194,6 @@ func meaning(s statemachine.State) string {
 	return ""
 }
 
-// age prints d the way a person scans a queue: two units at most.
-func age(d time.Duration) string {
-	d = d.Round(time.Second)
-	switch {
-	case d < time.Minute:
-		return fmt.Sprintf("%ds", int(d.Seconds()))
-	case d < time.Hour:
-		return fmt.Sprintf("%dm%02ds", int(d.Minutes()), int(d.Seconds())%60)
-	case d < 48*time.Hour:
-		return fmt.Sprintf("%dh%02dm", int(d.Hours()), int(d.Minutes())%60)
-	}
-	return fmt.Sprintf("%dd%02dh", int(d.Hours())/24, int(d.Hours())%24)
-}
-
 // stamp prints a time in UTC to the millisecond.
 func stamp(t time.Time) string { return t.UTC().Format("2006-01-02 15:04:05.000Z") }
 
@@ -222,7 +209,7 @@ var funcs = template.FuncMap{
 	"visibleJSON": visibleJSON,
 	"fields":      intentFields,
 	"meaning":     meaning,
-	"age":         age,
+	"age":         review.FormatAge,
 	"stamp":       stamp,
 	"latency": func(d time.Duration) string {
 		return d.Round(time.Microsecond).String()

@@ -129,24 +129,10 @@ func reviewListAction(c *cli.Context) error {
 		if h.ErrorCode != "" {
 			why += " (" + h.ErrorCode + ")"
 		}
-		tw.Printf("%d\t%s\t%s\t%s\t%d\t%s\n", h.ID, age(h.Age), h.Operation, h.Dependency, h.Attempt,
+		tw.Printf("%d\t%s\t%s\t%s\t%d\t%s\n", h.ID, review.FormatAge(h.Age), h.Operation, h.Dependency, h.Attempt,
 			strings.TrimSpace(why))
 	}
 	return tw.Flush()
-}
-
-// age prints d the way a person scans a queue: two units at most.
-func age(d time.Duration) string {
-	d = d.Round(time.Second)
-	switch {
-	case d < time.Minute:
-		return fmt.Sprintf("%ds", int(d.Seconds()))
-	case d < time.Hour:
-		return fmt.Sprintf("%dm%02ds", int(d.Minutes()), int(d.Seconds())%60)
-	case d < 48*time.Hour:
-		return fmt.Sprintf("%dh%02dm", int(d.Hours()), int(d.Minutes())%60)
-	}
-	return fmt.Sprintf("%dd%02dh", int(d.Hours())/24, int(d.Hours())%24)
 }
 
 func reviewResolveAction(c *cli.Context) error {

@@ -20,6 +20,7 @@ func TestCredentialInAnyPercentEncoding(t *testing.T) {
 		strings.ReplaceAll(token, "_", "%5f"),
 		"%73k_test_4eC39HqLyjWDarjtT1zdp7d%63",
 		"sk%5Ftest_4%65C39%48qLyjWDarjtT1zdp7dc",
+		"sk%5Ftest%5f4eC39Hq%4cyjWDarjtT1%7Adp7dc", // both hex cases in one echo
 		strings.ReplaceAll(strings.ReplaceAll(b64, "=", "%3D"), "6", "%36"),
 		"pa55w0rd%21", "pa%35%35w0rd%21",
 	} {

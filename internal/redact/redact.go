@@ -21,6 +21,8 @@ import (
 	"net/url"
 	"slices"
 	"strings"
+
+	"github.com/receiptledger/reconciler/internal/percent"
 )
 
 // Marker replaces every credential form found.
@@ -245,9 +247,9 @@ func (r *Redactor) decodedMatches(s string) (spans [][2]int, decoded bool) {
 	view := make([]byte, 0, len(s))
 	var escapes []int // view positions holding a decoded escape, ascending
 	for i := 0; i < len(s); i++ {
-		if s[i] == '%' && i+2 < len(s) && isHex(s[i+1]) && isHex(s[i+2]) {
+		if d, ok := percent.At(s, i); ok {
 			escapes = append(escapes, len(view))
-			view = append(view, unhex(s[i+1])<<4|unhex(s[i+2]))
+			view = append(view, d)
 			i += 2
 			continue
 		}
@@ -295,20 +297,6 @@ func indexAll(s, f string) []int {
 		at = append(at, from+i)
 		from += i + 1
 	}
-}
-
-func isHex(c byte) bool {
-	return '0' <= c && c <= '9' || 'a' <= c && c <= 'f' || 'A' <= c && c <= 'F'
-}
-
-func unhex(c byte) byte {
-	switch {
-	case c >= 'a':
-		return c - 'a' + 10
-	case c >= 'A':
-		return c - 'A' + 10
-	}
-	return c - '0'
 }
 
 // Empty reports whether r redacts nothing.
