@@ -51,21 +51,9 @@ func (c *Cluster) Standby(name string, settings ...string) (*Cluster, error) {
 		os.RemoveAll(dir)
 		return nil, err
 	}
-	port, err := freePort()
-	if err != nil {
-		os.RemoveAll(dir)
+	if err := s.serve(settings); err != nil {
 		return nil, err
 	}
-	s.opts = serverOptions(port, dir, settings)
-	if err := s.Resume(); err != nil {
-		os.RemoveAll(dir)
-		return nil, err
-	}
-	if err := os.WriteFile(filepath.Join(dir, ownerFile), []byte(strconv.Itoa(os.Getpid())), 0o644); err != nil {
-		_ = s.Stop()
-		return nil, err
-	}
-	s.URL = fmt.Sprintf("postgres://postgres@127.0.0.1:%d/postgres?sslmode=disable", port)
 	return s, nil
 }
 
