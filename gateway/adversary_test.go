@@ -153,19 +153,27 @@ func TestUpstreamCannotForgeReceiptHeaders(t *testing.T) {
 func TestEncodedSeparatorsCannotLeaveTheBasePath(t *testing.T) {
 	up := newFakeUpstream()
 	e := newEnv(t, up, "")
-	for i, p := range []string{
+	assertPathsRefused(t, e, up, "k-sep-",
 		"/blog/x%2F..%2F..%2Fadmin",
 		"/blog/%2e%2e%2fadmin",
 		"/blog/%2E%2E%2Fadmin",
 		"/blog/..%5Cadmin",
 		"/blog/x%5C..%5C..%5Cadmin",
-	} {
-		a := e.post(t, p, "k-sep-"+strconv.Itoa(i), `{"title":"x"}`)
+	)
+}
+
+// assertPathsRefused checks that a POST (key keyPrefix<i>) and a GET of each
+// path are refused as invalid-path, and that nothing reached the upstream
+// or was recorded.
+func assertPathsRefused(t *testing.T, e *env, up *fakeUpstream, keyPrefix string, paths ...string) {
+	t.Helper()
+	for i, p := range paths {
+		a := e.post(t, p, keyPrefix+strconv.Itoa(i), `{"title":"x"}`)
 		if pr := a.problem(t); a.status != http.StatusBadRequest || pr.Type != gateway.ProblemInvalidPath.URI() {
-			t.Fatalf("%s: %d %s, want invalid-path", p, a.status, a.body)
+			t.Fatalf("POST %s: %d %s, want invalid-path", p, a.status, a.body)
 		}
 		if r := e.do(t, "GET", p, "", "Authorization", "Bearer "+tokenA); r.status != http.StatusBadRequest {
-			t.Fatalf("read %s: %d %s, want invalid-path", p, r.status, r.body)
+			t.Fatalf("GET %s: %d %s, want invalid-path", p, r.status, r.body)
 		}
 	}
 	up.mu.Lock()

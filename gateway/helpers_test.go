@@ -79,6 +79,15 @@ func newEnvAt(t *testing.T, upstreamURL, extra string) *env {
 func newEnvRoutes(t *testing.T, routes string) *env {
 	t.Helper()
 	db := pgtest.NewPool(t)
+	reg := prometheus.NewRegistry()
+	_, srv := newGateway(t, db, routes, gateway.Options{Metrics: gateway.NewMetrics(reg)})
+	return &env{db: db, gw: srv, metrics: reg}
+}
+
+// newGateway is a gateway for a whole routes file over the ledger db, as
+// agent:gateway, served until the test ends.
+func newGateway(t *testing.T, db *pgxpool.Pool, routes string, opts gateway.Options) (*gateway.Gateway, *httptest.Server) {
+	t.Helper()
 	cfg, err := gateway.ParseConfig("routes.yaml", []byte(routes), testEnv)
 	if err != nil {
 		t.Fatal(err)
@@ -87,11 +96,10 @@ func newEnvRoutes(t *testing.T, routes string) *env {
 	if err != nil {
 		t.Fatal(err)
 	}
-	reg := prometheus.NewRegistry()
-	g := gateway.New(client, cfg, gateway.Options{Metrics: gateway.NewMetrics(reg)})
+	g := gateway.New(client, cfg, opts)
 	srv := httptest.NewServer(g)
 	t.Cleanup(srv.Close)
-	return &env{db: db, gw: srv, metrics: reg}
+	return g, srv
 }
 
 // answer is a gateway response, read whole.

@@ -11,7 +11,6 @@ import (
 
 	"github.com/receiptledger/reconciler/gateway"
 	"github.com/receiptledger/reconciler/internal/pgtest"
-	"github.com/receiptledger/reconciler/ledger"
 )
 
 // Issue 21, item 4: the upstream answers 201 while the database refuses
@@ -56,17 +55,7 @@ func TestUnrecordedOutcomeIsKept(t *testing.T) {
 		_, _ = w.Write([]byte(`{"id":"post_1"}`))
 	}))
 	defer up.Close()
-	cfg, err := gateway.ParseConfig("routes.yaml", []byte(routesFile(up.URL, "")), testEnv)
-	if err != nil {
-		t.Fatal(err)
-	}
-	client, err := ledger.New(db, "agent:gateway")
-	if err != nil {
-		t.Fatal(err)
-	}
-	g := gateway.New(client, cfg, gateway.Options{})
-	srv := httptest.NewServer(g)
-	defer srv.Close()
+	g, srv := newGateway(t, db, routesFile(up.URL, ""), gateway.Options{})
 	call := func() answer {
 		a, err := send(http.MethodPost, srv.URL+routesPrefix+"/posts", `{"title":"t"}`,
 			"Authorization", "Bearer "+tokenA, gateway.HeaderIdempotencyKey, "task:1:posts.create")

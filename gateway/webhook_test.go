@@ -476,17 +476,7 @@ func TestWebhookDelivererSharesTheWaitsConnection(t *testing.T) {
 	up := httptest.NewServer(newFakeUpstream())
 	t.Cleanup(up.Close)
 	rc, hooks := newReceiver(t)
-	cfg, err := gateway.ParseConfig("routes.yaml", []byte(routesFile(up.URL, hookRoute(hooks.URL))), testEnv)
-	if err != nil {
-		t.Fatal(err)
-	}
-	client, err := ledger.New(db, "agent:gateway")
-	if err != nil {
-		t.Fatal(err)
-	}
-	g := gateway.New(client, cfg, gateway.Options{})
-	srv := httptest.NewServer(g)
-	t.Cleanup(srv.Close)
+	g, srv := newGateway(t, db, routesFile(up.URL, hookRoute(hooks.URL)), gateway.Options{})
 	e := &env{db: db, gw: srv}
 	awaited := e.post(t, "/blog/fail504", "k-share-1", `{"title":"maybe"}`).problem(t)
 	other := e.post(t, "/blog/fail504", "k-share-2", `{"title":"other"}`).problem(t)

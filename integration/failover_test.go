@@ -108,7 +108,6 @@ func (f failoverFigures) String() string {
 // markerAPI counts, by marker (metadata.key), the creates a truthAPI
 // received, whatever it then did with them.
 type markerAPI struct {
-	api *truthAPI
 	srv *httptest.Server
 
 	mu       sync.Mutex
@@ -116,7 +115,7 @@ type markerAPI struct {
 }
 
 func newMarkerAPI(t *testing.T, api *truthAPI) *markerAPI {
-	m := &markerAPI{api: api, received: map[string]int{}}
+	m := &markerAPI{received: map[string]int{}}
 	m.srv = httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		if r.Method == http.MethodPost {
 			body, _ := io.ReadAll(r.Body)

@@ -183,16 +183,7 @@ func (f *pafFormation) stop() {
 // fails over meanwhile).
 func (f *pafFormation) killPostmaster(t *testing.T, i int) {
 	t.Helper()
-	name := "node_" + strconv.Itoa(i+1)
-	raw, err := os.ReadFile(filepath.Join(f.pgdata(name), "postmaster.pid"))
-	if err != nil {
-		t.Fatal(err)
-	}
-	pid, err := strconv.Atoi(strings.TrimSpace(strings.SplitN(string(raw), "\n", 2)[0]))
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := syscall.Kill(pid, syscall.SIGKILL); err != nil {
+	if err := pgcluster.KillPostmaster(f.pgdata("node_" + strconv.Itoa(i+1))); err != nil {
 		t.Fatal(err)
 	}
 }

@@ -151,26 +151,11 @@ func tracedPool(tb testing.TB, url string, rec *recorder) *pgxpool.Pool {
 	return p
 }
 
-// planNode is a node of EXPLAIN (FORMAT JSON).
-type planNode struct {
-	NodeType  string     `json:"Node Type"`
-	Relation  string     `json:"Relation Name"`
-	IndexName string     `json:"Index Name"`
-	Plans     []planNode `json:"Plans"`
-}
-
-func (n planNode) walk(f func(planNode)) {
-	f(n)
-	for _, c := range n.Plans {
-		c.walk(f)
-	}
-}
-
 // explain plans s with its own arguments, as the code ran it (the unnamed
 // statement: a plan for these values).
-func explain(tb testing.TB, db *pgxpool.Pool, s traced) planNode {
+func explain(tb testing.TB, db *pgxpool.Pool, s traced) pgtest.PlanNode {
 	tb.Helper()
-	var out []struct{ Plan planNode }
+	var out []struct{ Plan pgtest.PlanNode }
 	var raw []byte
 	if err := db.QueryRow(context.Background(), "EXPLAIN (FORMAT JSON) "+s.sql, s.args...).Scan(&raw); err != nil {
 		tb.Fatalf("explain: %v\n%s", err, s.sql)
@@ -234,7 +219,7 @@ func TestPlansAtAMillionReceipts(t *testing.T) {
 		plan := explain(t, db, stmt)
 		var scans []string
 		used := false
-		plan.walk(func(n planNode) {
+		plan.Walk(func(n pgtest.PlanNode) {
 			if n.Relation == "receipts" {
 				scans = append(scans, fmt.Sprintf("%s %s", n.NodeType, n.IndexName))
 				if n.NodeType == "Seq Scan" {
@@ -283,7 +268,7 @@ func TestPlansAtAMillionReceipts(t *testing.T) {
 		}
 		args[named] = na
 		var scans []string
-		explain(t, db, traced{sql: stmt.sql, args: args}).walk(func(n planNode) {
+		explain(t, db, traced{sql: stmt.sql, args: args}).Walk(func(n pgtest.PlanNode) {
 			if n.Relation == "receipts" {
 				scans = append(scans, fmt.Sprintf("%s %s", n.NodeType, n.IndexName))
 			}
@@ -378,7 +363,7 @@ func TestAgentMoveProbesThePrimaryKey(t *testing.T) {
 		t.Fatal(err)
 	}
 	var scans []string
-	explain(t, db, rec.find(t, "SET state = $2")).walk(func(n planNode) {
+	explain(t, db, rec.find(t, "SET state = $2")).Walk(func(n pgtest.PlanNode) {
 		if n.Relation == "receipts" && n.NodeType != "ModifyTable" {
 			scans = append(scans, strings.TrimSpace(n.NodeType+" "+n.IndexName))
 		}

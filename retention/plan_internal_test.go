@@ -13,21 +13,6 @@ import (
 	"github.com/receiptledger/reconciler/internal/pgtest"
 )
 
-// planNode is a node of EXPLAIN (FORMAT JSON).
-type planNode struct {
-	NodeType  string     `json:"Node Type"`
-	Relation  string     `json:"Relation Name"`
-	IndexName string     `json:"Index Name"`
-	Plans     []planNode `json:"Plans"`
-}
-
-func (n planNode) walk(f func(planNode)) {
-	f(n)
-	for _, c := range n.Plans {
-		c.walk(f)
-	}
-}
-
 // The archiver's per-batch statements read receipts and history through
 // indexes at 200,000 receipts and 600,000 events (ANALYZEd): the choice
 // walks the primary key's range and each chain through receipts_retry_of,
@@ -85,13 +70,13 @@ func TestRetentionPlans(t *testing.T) {
 		if err := db.QueryRow(ctx, "EXPLAIN (FORMAT JSON) "+c.sql, c.args...).Scan(&raw); err != nil {
 			t.Fatalf("%s: explain: %v", c.name, err)
 		}
-		var out []struct{ Plan planNode }
+		var out []struct{ Plan pgtest.PlanNode }
 		if err := json.Unmarshal(raw, &out); err != nil || len(out) != 1 {
 			t.Fatalf("%s: %s: %v", c.name, raw, err)
 		}
 		var scans []string
 		used := map[string]bool{}
-		out[0].Plan.walk(func(n planNode) {
+		out[0].Plan.Walk(func(n pgtest.PlanNode) {
 			if n.Relation != "" {
 				scans = append(scans, fmt.Sprintf("%s %s %s", n.NodeType, n.Relation, n.IndexName))
 			}

@@ -93,20 +93,11 @@ func benchBacklog(c *cli.Context) error {
 	}
 	ctx := c.Context
 	log := c.App.ErrWriter
-	bdb, err := openBenchDB(ctx, log, c.String("database-url"), false)
+	db, agent, closeDB, err := openBenchAgent(ctx, log, c.String("database-url"), 48)
 	if err != nil {
 		return cli.Exit("bench backlog: "+err.Error(), 1)
 	}
-	defer bdb.Close()
-	db, err := bdb.pool(ctx, 48)
-	if err != nil {
-		return cli.Exit("bench backlog: "+err.Error(), 1)
-	}
-	defer db.Close()
-	agent, err := ledger.New(db, "agent:bench")
-	if err != nil {
-		return cli.Exit("bench backlog: "+err.Error(), 1)
-	}
+	defer closeDB()
 	for _, s := range strategies {
 		count := n
 		if s == "per_receipt" {

@@ -13,6 +13,7 @@ import (
 
 	"github.com/receiptledger/reconciler/internal/pgcluster"
 	"github.com/receiptledger/reconciler/internal/scratchdb"
+	"github.com/receiptledger/reconciler/ledger"
 )
 
 // benchServerFlag is --database-url for the benches that can start their
@@ -97,6 +98,27 @@ func serverOrThrowaway(log io.Writer, serverURL string) (string, func(), error) 
 // connection.
 func (b *scratchDB) pool(ctx context.Context, conns int) (*pgxpool.Pool, error) {
 	return b.Pool(ctx, max(conns, 4))
+}
+
+// openBenchAgent opens the bench's scratch database (see openBenchDB), a
+// pool on it with room for conns users and the agent "agent:bench" on that
+// pool; closeDB closes the pool and drops the database.
+func openBenchAgent(ctx context.Context, log io.Writer, serverURL string, conns int) (db *pgxpool.Pool, agent *ledger.Client, closeDB func(), err error) {
+	bdb, err := openBenchDB(ctx, log, serverURL, false)
+	if err != nil {
+		return nil, nil, nil, err
+	}
+	db, err = bdb.pool(ctx, conns)
+	if err != nil {
+		bdb.Close()
+		return nil, nil, nil, err
+	}
+	closeDB = func() { db.Close(); bdb.Close() }
+	if agent, err = ledger.New(db, "agent:bench"); err != nil {
+		closeDB()
+		return nil, nil, nil, err
+	}
+	return db, agent, closeDB, nil
 }
 
 // parseList splits a comma-separated flag value and parses each item.

@@ -2,7 +2,6 @@ package main
 
 import (
 	"bytes"
-	"context"
 	"fmt"
 	"io"
 	"net"
@@ -70,13 +69,8 @@ routes:
 		t.Fatalf("a missing routes file: exit %d, %q", code, errOut)
 	}
 
-	ctx, stop := context.WithCancel(context.Background())
-	done := make(chan int, 1)
 	var errOut bytes.Buffer
-	go func() {
-		done <- run(ctx, []string{"reconciler", "gateway", "--database-url", url, "--config", config, "--metrics-addr", metricsAddr},
-			strings.NewReader(""), io.Discard, &errOut)
-	}()
+	stop := startCLI(t, &errOut, "gateway", "--database-url", url, "--config", config, "--metrics-addr", metricsAddr)
 	base := "http://" + addr
 	deadline := time.Now().Add(30 * time.Second)
 	for {
@@ -121,14 +115,8 @@ routes:
 			t.Fatalf("%s lacks %s: %s", url, want, b)
 		}
 	}
-	stop()
-	select {
-	case code := <-done:
-		if code != 0 {
-			t.Fatalf("exit %d after SIGTERM: %s", code, errOut.String())
-		}
-	case <-time.After(30 * time.Second):
-		t.Fatal("the gateway did not stop")
+	if code := stop(); code != 0 {
+		t.Fatalf("exit %d after SIGTERM: %s", code, errOut.String())
 	}
 	if strings.Contains(errOut.String(), "upstream-secret-value") || strings.Contains(errOut.String(), "agent-token-0123456789abcdef") {
 		t.Fatal("a credential is in the logs")

@@ -5,13 +5,37 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
+	"io"
 	"os"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/receiptledger/reconciler/internal/pgtest"
 	"github.com/receiptledger/reconciler/migrations"
 )
+
+// startCLI runs the command line in-process in the background, its stderr
+// in errOut, until stop cancels its context; stop returns its exit status,
+// failing the test if it does not end within 30 s.
+func startCLI(t *testing.T, errOut io.Writer, args ...string) (stop func() int) {
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan int, 1)
+	go func() {
+		done <- run(ctx, append([]string{"reconciler"}, args...), strings.NewReader(""), io.Discard, errOut)
+	}()
+	return func() int {
+		t.Helper()
+		cancel()
+		select {
+		case code := <-done:
+			return code
+		case <-time.After(30 * time.Second):
+			t.Fatalf("reconciler %s did not stop", args[0])
+			return 0
+		}
+	}
+}
 
 // runCLI runs the command line in-process and returns its exit status and output.
 func runCLI(t *testing.T, stdin string, args ...string) (int, string, string) {

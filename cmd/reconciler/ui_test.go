@@ -2,7 +2,6 @@ package main
 
 import (
 	"bytes"
-	"context"
 	"io"
 	"net"
 	"net/http"
@@ -50,13 +49,9 @@ func TestUIServes(t *testing.T) {
 	}
 	addr := l.Addr().String()
 	l.Close()
-	ctx, stop := context.WithCancel(context.Background())
-	done := make(chan int, 1)
 	var errOut bytes.Buffer
-	go func() {
-		done <- run(ctx, []string{"reconciler", "ui", "--database-url", url, "--listen", addr,
-			"--trusted-user-header", "X-Forwarded-User", "--trusted-proxy", "127.0.0.1/32"}, strings.NewReader(""), io.Discard, &errOut)
-	}()
+	stop := startCLI(t, &errOut, "ui", "--database-url", url, "--listen", addr,
+		"--trusted-user-header", "X-Forwarded-User", "--trusted-proxy", "127.0.0.1/32")
 	get := func() (*http.Response, error) {
 		req, _ := http.NewRequest(http.MethodGet, "http://"+addr+"/", nil)
 		req.Header.Set("X-Forwarded-User", "alice")
@@ -78,14 +73,8 @@ func TestUIServes(t *testing.T) {
 	if resp.StatusCode != http.StatusOK || !strings.Contains(string(body), "Nothing is held for review") {
 		t.Fatalf("queue: %d\n%s", resp.StatusCode, body)
 	}
-	stop()
-	select {
-	case code := <-done:
-		if code != 0 {
-			t.Fatalf("exit %d; stderr %s", code, errOut.String())
-		}
-	case <-time.After(30 * time.Second):
-		t.Fatal("the ui did not stop")
+	if code := stop(); code != 0 {
+		t.Fatalf("exit %d; stderr %s", code, errOut.String())
 	}
 	if !strings.Contains(errOut.String(), `"msg":"ui stopped"`) {
 		t.Errorf("stderr %s", errOut.String())

@@ -8,7 +8,6 @@ import (
 	"net"
 	"os"
 	"os/exec"
-	"os/user"
 	"path/filepath"
 	"sort"
 	"strconv"
@@ -48,16 +47,12 @@ func StartWith(settings ...string) (*Cluster, error) {
 		return nil, err
 	}
 	c := &Cluster{dir: dir, bin: bin}
-	if os.Geteuid() == 0 {
-		u, err := user.Lookup("postgres")
-		if err != nil {
-			os.RemoveAll(dir)
-			return nil, fmt.Errorf("running as root and no postgres user to drop to: %w", err)
-		}
-		uid, _ := strconv.Atoi(u.Uid)
-		gid, _ := strconv.Atoi(u.Gid)
-		c.cred = &syscall.Credential{Uid: uint32(uid), Gid: uint32(gid)}
-		if err := os.Chown(dir, uid, gid); err != nil {
+	if c.cred, err = Credential(); err != nil {
+		os.RemoveAll(dir)
+		return nil, err
+	}
+	if c.cred != nil {
+		if err := os.Chown(dir, int(c.cred.Uid), int(c.cred.Gid)); err != nil {
 			os.RemoveAll(dir)
 			return nil, err
 		}
@@ -67,24 +62,34 @@ func StartWith(settings ...string) (*Cluster, error) {
 		os.RemoveAll(dir)
 		return nil, err
 	}
-	port, err := freePort()
-	if err != nil {
-		os.RemoveAll(dir)
+	if err := c.serve(settings); err != nil {
 		return nil, err
 	}
-	c.opts = serverOptions(port, dir, settings)
+	return c, nil
+}
+
+// serve starts the server on the data directory c.dir/data holds (made by
+// initdb or pg_basebackup) on a free port, records the owning process and
+// sets URL. On failure it removes c.dir.
+func (c *Cluster) serve(settings []string) error {
+	port, err := freePort()
+	if err != nil {
+		os.RemoveAll(c.dir)
+		return err
+	}
+	c.opts = serverOptions(port, c.dir, settings)
 	if err := c.Resume(); err != nil {
-		os.RemoveAll(dir)
-		return nil, err
+		os.RemoveAll(c.dir)
+		return err
 	}
 	// Recorded only once the server runs, so reapOrphans never mistakes a
 	// cluster being set up for a dead one.
-	if err := os.WriteFile(filepath.Join(dir, ownerFile), []byte(strconv.Itoa(os.Getpid())), 0o644); err != nil {
+	if err := os.WriteFile(filepath.Join(c.dir, ownerFile), []byte(strconv.Itoa(os.Getpid())), 0o644); err != nil {
 		_ = c.Stop()
-		return nil, err
+		return err
 	}
 	c.URL = fmt.Sprintf("postgres://postgres@127.0.0.1:%d/postgres?sslmode=disable", port)
-	return c, nil
+	return nil
 }
 
 // Stop shuts the server down and removes its files.

@@ -51,21 +51,9 @@ func (c *Cluster) Standby(name string, settings ...string) (*Cluster, error) {
 		os.RemoveAll(dir)
 		return nil, err
 	}
-	port, err := freePort()
-	if err != nil {
-		os.RemoveAll(dir)
+	if err := s.serve(settings); err != nil {
 		return nil, err
 	}
-	s.opts = serverOptions(port, dir, settings)
-	if err := s.Resume(); err != nil {
-		os.RemoveAll(dir)
-		return nil, err
-	}
-	if err := os.WriteFile(filepath.Join(dir, ownerFile), []byte(strconv.Itoa(os.Getpid())), 0o644); err != nil {
-		_ = s.Stop()
-		return nil, err
-	}
-	s.URL = fmt.Sprintf("postgres://postgres@127.0.0.1:%d/postgres?sslmode=disable", port)
 	return s, nil
 }
 
@@ -77,8 +65,13 @@ func (c *Cluster) Promote() error {
 // Kill sends SIGKILL to the server's postmaster, as the loss of its host
 // would end it: no shutdown checkpoint, no goodbye to standbys. Its
 // children notice and exit; the files stay (Stop removes them).
-func (c *Cluster) Kill() error {
-	raw, err := os.ReadFile(filepath.Join(c.dir, "data", "postmaster.pid"))
+func (c *Cluster) Kill() error { return KillPostmaster(filepath.Join(c.dir, "data")) }
+
+// KillPostmaster sends SIGKILL to the postmaster that postmaster.pid in
+// the data directory pgdata names (one already gone is no error): Kill for
+// a server this package did not start.
+func KillPostmaster(pgdata string) error {
+	raw, err := os.ReadFile(filepath.Join(pgdata, "postmaster.pid"))
 	if err != nil {
 		return err
 	}
