@@ -500,17 +500,9 @@ func (a *Adapter) readSharedPass(ctx context.Context, read readback.SharedRead, 
 		var resp *response
 		var doc any
 		err := rt.do(ctx, ev.Passes, p.requests+1, func() error {
-			return read.Request(ctx, func() error {
-				r, err := a.do(ctx, s.method, u, nil)
-				if err != nil {
-					return err
-				}
-				d, err := a.decode(u, r.body, &s.items, s.maxItems)
-				if err != nil {
-					return err
-				}
-				resp, doc = r, d
-				return nil
+			return read.Request(ctx, func() (err error) {
+				resp, doc, err = a.getList(ctx, s.method, u, &s.items, s.maxItems)
+				return err
 			})
 		})
 		if err != nil {

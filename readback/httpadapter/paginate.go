@@ -66,17 +66,9 @@ func (a *Adapter) readPassOnce(ctx context.Context, rt *retrier, sc *scope, firs
 		// goes on from it exactly as if the first answer had been good.
 		var resp *response
 		var doc any
-		err := rt.do(ctx, ev.Passes, p.requests+1, func() error {
-			r, err := a.do(ctx, s.method, u, nil)
-			if err != nil {
-				return err
-			}
-			d, err := a.decode(u, r.body, &s.items, s.maxItems)
-			if err != nil {
-				return err
-			}
-			resp, doc = r, d
-			return nil
+		err := rt.do(ctx, ev.Passes, p.requests+1, func() (err error) {
+			resp, doc, err = a.getList(ctx, s.method, u, &s.items, s.maxItems)
+			return err
 		})
 		if err != nil {
 			return nil, err
