@@ -6,7 +6,6 @@ import (
 	"net/url"
 	"slices"
 	"sort"
-	"strconv"
 	"time"
 
 	"github.com/receiptledger/reconciler/readback"
@@ -192,16 +191,7 @@ func (a *Adapter) firstURL(mb *member, start, end time.Time) (*url.URL, error) {
 	b := a.cfg.search.batch
 	gsc := *mb.sc
 	gsc.start, gsc.end = start, end
-	u, err := a.buildURL(&gsc, b.path, b.query)
-	if err != nil {
-		return nil, err
-	}
-	if pg := a.cfg.pagination; pg.Style == "page" || pg.Style == "offset" {
-		q := u.Query()
-		q.Set(pg.Param, strconv.Itoa(*pg.Start))
-		u.RawQuery = q.Encode()
-	}
-	return u, nil
+	return a.firstPage(&gsc, b.path, b.query)
 }
 
 // readGroup reads the members' list once per distinct request over the

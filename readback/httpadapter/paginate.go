@@ -181,6 +181,22 @@ func (a *Adapter) readPassOnce(ctx context.Context, rt *retrier, sc *scope, firs
 	}
 }
 
+// firstPage renders the list's first page for sc: the URL of path and
+// query, asking for the first page explicitly when paged by number or
+// offset (APIs differ on the default).
+func (a *Adapter) firstPage(sc *scope, path template, query map[string]template) (*url.URL, error) {
+	u, err := a.buildURL(sc, path, query)
+	if err != nil {
+		return nil, err
+	}
+	if pg := a.cfg.pagination; pg.Style == "page" || pg.Style == "offset" {
+		q := u.Query()
+		q.Set(pg.Param, strconv.Itoa(*pg.Start))
+		u.RawQuery = q.Encode()
+	}
+	return u, nil
+}
+
 // identity names an item for comparing two passes: its id, or its JSON
 // when it has none.
 func identity(item any, id pointer) string {

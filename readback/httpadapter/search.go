@@ -31,15 +31,9 @@ import (
 func (a *Adapter) search(ctx context.Context, sc *scope) (readback.Result, error) {
 	s := a.cfg.search
 	pg := a.cfg.pagination
-	first, err := a.buildURL(sc, s.path, s.query)
+	first, err := a.firstPage(sc, s.path, s.query)
 	if err != nil {
 		return readback.Result{}, err
-	}
-	if pg.Style == "page" || pg.Style == "offset" {
-		// Ask for the first page explicitly: APIs differ on the default.
-		q := first.Query()
-		q.Set(pg.Param, strconv.Itoa(*pg.Start))
-		first.RawQuery = q.Encode()
 	}
 	start, end := sc.start.UTC(), sc.end.UTC()
 	ev := &Evidence{WindowStart: &start, WindowEnd: &end}
