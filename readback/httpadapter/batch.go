@@ -514,32 +514,14 @@ func (a *Adapter) readSharedPass(ctx context.Context, read readback.SharedRead, 
 			}
 		}
 		p.ids = append(p.ids, pageIDs...)
-		if (pg.Style == "page" || pg.Style == "offset") && len(pageIDs) > 0 && slices.Equal(pageIDs, prevPage) {
-			p.incomplete = fmt.Sprintf("page %d holds the same items as the page before it: the server ignores the %q parameter "+
-				"(check search.pagination.param), so the list cannot be read to its end", p.requests, pg.Param)
-			break
-		}
-		prevPage = pageIDs
-		next, why, err := a.nextPage(first, u, doc, resp.header, len(list), &page)
+		next, err := a.turnPage(first, u, doc, resp.header, len(list), p.requests, &page, pageIDs, prevPage, &p.incomplete, &p.truncated)
 		if err != nil {
 			return nil, nil, err
-		}
-		if why != "" {
-			p.incomplete = fmt.Sprintf("page %d: %s", p.requests, why)
-			break
 		}
 		if next == nil {
 			break
 		}
-		if next.String() == u.String() {
-			p.incomplete = fmt.Sprintf("page %d: the next page is the page just read, so the list cannot be read to its end", p.requests)
-			break
-		}
-		if p.requests >= pg.MaxPages {
-			p.truncated = true
-			p.incomplete = fmt.Sprintf("page bound (%d) reached before the end of the list", pg.MaxPages)
-			break
-		}
+		prevPage = pageIDs
 		u = next
 	}
 	slices.SortFunc(times, func(a, b time.Time) int { return a.Compare(b) })

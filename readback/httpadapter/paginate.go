@@ -149,36 +149,52 @@ func (a *Adapter) readPassOnce(ctx context.Context, rt *retrier, sc *scope, firs
 		if p.insane > 0 && p.incomplete == "" {
 			p.incompleteAfter = p.insaneReason
 		}
-		if (pg.Style == "page" || pg.Style == "offset") && len(pageIDs) > 0 && slices.Equal(pageIDs, prevPage) {
-			// A static list: the server answers every page with the same
-			// items, so the list has no end to read up to.
-			p.incomplete = fmt.Sprintf("page %d holds the same items as the page before it: the server ignores the %q parameter "+
-				"(check search.pagination.param), so the list cannot be read to its end", p.requests, pg.Param)
-			return p, nil
-		}
-		prevPage = pageIDs
-		next, why, err := a.nextPage(first, u, doc, resp.header, len(list), &page)
+		next, err := a.turnPage(first, u, doc, resp.header, len(list), p.requests, &page, pageIDs, prevPage, &p.incomplete, &p.truncated)
 		if err != nil {
 			return nil, err
-		}
-		if why != "" {
-			p.incomplete = fmt.Sprintf("page %d: %s", p.requests, why)
-			return p, nil
 		}
 		if next == nil {
 			return p, nil
 		}
-		if next.String() == u.String() {
-			p.incomplete = fmt.Sprintf("page %d: the next page is the page just read, so the list cannot be read to its end", p.requests)
-			return p, nil
-		}
-		if p.requests >= pg.MaxPages {
-			p.truncated = true
-			p.incomplete = fmt.Sprintf("page bound (%d) reached before the end of the list", pg.MaxPages)
-			return p, nil
-		}
+		prevPage = pageIDs
 		u = next
 	}
+}
+
+// turnPage decides where a pass goes after its page number requests (the
+// page at u, whose len(pageIDs) = n items follow prevPage): the next page's
+// URL, or nil when the pass ends, setting incomplete (and truncated) when
+// it ends before the end of the list.
+func (a *Adapter) turnPage(first, u *url.URL, doc any, h http.Header, n, requests int, page *int, pageIDs, prevPage []string, incomplete *string, truncated *bool) (*url.URL, error) {
+	pg := a.cfg.pagination
+	if (pg.Style == "page" || pg.Style == "offset") && len(pageIDs) > 0 && slices.Equal(pageIDs, prevPage) {
+		// A static list: the server answers every page with the same
+		// items, so the list has no end to read up to.
+		*incomplete = fmt.Sprintf("page %d holds the same items as the page before it: the server ignores the %q parameter "+
+			"(check search.pagination.param), so the list cannot be read to its end", requests, pg.Param)
+		return nil, nil
+	}
+	next, why, err := a.nextPage(first, u, doc, h, n, page)
+	if err != nil {
+		return nil, err
+	}
+	if why != "" {
+		*incomplete = fmt.Sprintf("page %d: %s", requests, why)
+		return nil, nil
+	}
+	if next == nil {
+		return nil, nil
+	}
+	if next.String() == u.String() {
+		*incomplete = fmt.Sprintf("page %d: the next page is the page just read, so the list cannot be read to its end", requests)
+		return nil, nil
+	}
+	if requests >= pg.MaxPages {
+		*truncated = true
+		*incomplete = fmt.Sprintf("page bound (%d) reached before the end of the list", pg.MaxPages)
+		return nil, nil
+	}
+	return next, nil
 }
 
 // firstPage renders the list's first page for sc: the URL of path and
