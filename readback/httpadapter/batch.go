@@ -579,9 +579,7 @@ func (a *Adapter) matchItem(x *matchIndex, ms []*member, u *url.URL, i int, item
 		return time.Time{}, terr
 	}
 	if why := saneTime(created, end); why != "" && a.cfg.fp != nil {
-		reason := fmt.Sprintf("item %d: created-at %s at %q is %s (created_at_format %q?): "+
-			"an item whose creation time is unknown may be the receipt's, so no absence is proven",
-			i, created.UTC().Format(time.RFC3339), s.createdAt.text, why, firstNonEmpty(s.createdAtFormat, "rfc3339"))
+		reason := a.insaneReason(i, created, why)
 		unmarked(func(mb *member) {
 			if mb.insane == "" {
 				mb.insane = reason

@@ -9,7 +9,6 @@ import (
 	"slices"
 	"strconv"
 	"strings"
-	"time"
 
 	"github.com/receiptledger/reconciler/readback"
 )
@@ -108,9 +107,7 @@ func (a *Adapter) readPassOnce(ctx context.Context, rt *retrier, sc *scope, firs
 				// fingerprint: with a marker alone, their time is moot.
 				p.insane++
 				if p.insaneReason == "" {
-					p.insaneReason = fmt.Sprintf("item %d: created-at %s at %q is %s (created_at_format %q?): "+
-						"an item whose creation time is unknown may be the receipt's, so no absence is proven",
-						i, created.UTC().Format(time.RFC3339), s.createdAt.text, why, firstNonEmpty(s.createdAtFormat, "rfc3339"))
+					p.insaneReason = a.insaneReason(i, created, why)
 				}
 				continue
 			}

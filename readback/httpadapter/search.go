@@ -195,6 +195,15 @@ func saneTime(t, end time.Time) string {
 	return ""
 }
 
+// insaneReason says why item i, whose creation time created is not one it
+// can have (why, from saneTime), leaves an absence unproven.
+func (a *Adapter) insaneReason(i int, created time.Time, why string) string {
+	s := a.cfg.search
+	return fmt.Sprintf("item %d: created-at %s at %q is %s (created_at_format %q?): "+
+		"an item whose creation time is unknown may be the receipt's, so no absence is proven",
+		i, created.UTC().Format(time.RFC3339), s.createdAt.text, why, firstNonEmpty(s.createdAtFormat, "rfc3339"))
+}
+
 func idOf(item any, p pointer) (string, error) {
 	v, ok := p.get(item)
 	if !ok {
