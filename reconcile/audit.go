@@ -351,13 +351,7 @@ func (p *Pool) audit(ctx context.Context, a auditClaim) (bool, error) {
 	readAt := cfg.Now()
 	res, cerr := safeCheck(cctx, b.Adapter, a.r)
 	cancel()
-	result := Answered
-	if cerr != nil {
-		result = FailedTransient
-		if class, _ := readback.Classify(cerr); class == readback.Permanent {
-			result = FailedPermanent
-		}
-	}
+	result, _ := checkResult(cerr)
 	if ctx.Err() != nil {
 		// Stopping: the read is no evidence, and no failed attempt.
 		pass.Exit(Cancelled, 0)

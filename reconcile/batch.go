@@ -253,11 +253,8 @@ func (s *session) countCheck(c Claimed, b *readback.Binding, res readback.Result
 	p := s.p
 	outcome := string(res.Verdict)
 	if err != nil {
-		class, _ := readback.Classify(err)
-		outcome = string(FailedTransient)
-		if class == readback.Permanent {
-			outcome = string(FailedPermanent)
-		}
+		result, _ := checkResult(err)
+		outcome = string(result)
 		s.mu.Lock()
 		s.summary.CheckErrors++
 		s.mu.Unlock()
@@ -302,14 +299,7 @@ func (s *session) gateCall(ctx context.Context, b *readback.Binding) func(contex
 				return readback.TransientError(err, 0)
 			}
 			derr := do()
-			result, retryAfter := Answered, time.Duration(0)
-			if derr != nil {
-				class, ra := readback.Classify(derr)
-				result, retryAfter = FailedTransient, ra
-				if class == readback.Permanent {
-					result = FailedPermanent
-				}
-			}
+			result, retryAfter := checkResult(derr)
 			pass.Exit(result, retryAfter)
 			return derr
 		}

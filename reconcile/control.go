@@ -259,14 +259,7 @@ func (p *Pool) runControl(ctx context.Context, b *readback.Binding, r readback.R
 	cctx, cancel := context.WithTimeout(ctx, p.cfg.CheckTimeout)
 	res, cerr := safeCheck(cctx, b.Adapter, ctl)
 	cancel()
-	result, retryAfter := Answered, time.Duration(0)
-	if cerr != nil {
-		class, ra := readback.Classify(cerr)
-		result, retryAfter = FailedTransient, ra
-		if class == readback.Permanent {
-			result = FailedPermanent
-		}
-	}
+	result, retryAfter := checkResult(cerr)
 	if ctx.Err() != nil {
 		pass.Exit(Cancelled, 0)
 		return source, covers, false, fmt.Errorf("control %s: %w", source, ctx.Err())

@@ -5,6 +5,8 @@ import (
 	"errors"
 	"fmt"
 	"time"
+
+	"github.com/receiptledger/reconciler/readback"
 )
 
 // Gate protects the external APIs: before each check the pool asks it for a
@@ -40,6 +42,19 @@ const (
 	// Cancelled: the reconciler stopped the check (shutdown); neutral.
 	Cancelled CheckResult = "cancelled"
 )
+
+// checkResult is what a check that ended with err reports to its Pass:
+// Answered without an error, else its class and the Retry-After it asked.
+func checkResult(err error) (CheckResult, time.Duration) {
+	if err == nil {
+		return Answered, 0
+	}
+	class, retryAfter := readback.Classify(err)
+	if class == readback.Permanent {
+		return FailedPermanent, retryAfter
+	}
+	return FailedTransient, retryAfter
+}
 
 // Deferral is a Gate's refusal: do not call the dependency before Until.
 type Deferral struct {

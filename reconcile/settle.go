@@ -86,14 +86,7 @@ func (s *session) process(c Claimed) Outcome {
 		pass.Exit(Cancelled, 0)
 		return p.dec.release(c, cfg.Now())
 	}
-	result, retryAfter := Answered, time.Duration(0)
-	if cerr != nil {
-		class, ra := readback.Classify(cerr)
-		result, retryAfter = FailedTransient, ra
-		if class == readback.Permanent {
-			result = FailedPermanent
-		}
-	}
+	result, retryAfter := checkResult(cerr)
 	pass.Exit(result, retryAfter)
 	answeredAt := cfg.Now()
 	out := p.dec.decide(readAt, answeredAt, c, b, res, cerr, latency, controlAssumed)

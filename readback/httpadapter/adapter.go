@@ -469,6 +469,20 @@ func (a *Adapter) decode(u *url.URL, body []byte, items *pointer, maxItems int) 
 	return doc, nil
 }
 
+// getList asks for the list at u and decodes the answer (see decode): one
+// attempt, for a retrier to repeat.
+func (a *Adapter) getList(ctx context.Context, method string, u *url.URL, items *pointer, maxItems int) (*response, any, error) {
+	r, err := a.do(ctx, method, u, nil)
+	if err != nil {
+		return nil, nil, err
+	}
+	d, err := a.decode(u, r.body, items, maxItems)
+	if err != nil {
+		return nil, nil, err
+	}
+	return r, d, nil
+}
+
 func (a *Adapter) redactErr(err error) error { return readback.RedactError(err, a.red) }
 
 func (a *Adapter) rateLimited(h http.Header) bool {

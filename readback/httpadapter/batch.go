@@ -6,7 +6,6 @@ import (
 	"net/url"
 	"slices"
 	"sort"
-	"strconv"
 	"time"
 
 	"github.com/receiptledger/reconciler/readback"
@@ -192,16 +191,7 @@ func (a *Adapter) firstURL(mb *member, start, end time.Time) (*url.URL, error) {
 	b := a.cfg.search.batch
 	gsc := *mb.sc
 	gsc.start, gsc.end = start, end
-	u, err := a.buildURL(&gsc, b.path, b.query)
-	if err != nil {
-		return nil, err
-	}
-	if pg := a.cfg.pagination; pg.Style == "page" || pg.Style == "offset" {
-		q := u.Query()
-		q.Set(pg.Param, strconv.Itoa(*pg.Start))
-		u.RawQuery = q.Encode()
-	}
-	return u, nil
+	return a.firstPage(&gsc, b.path, b.query)
 }
 
 // readGroup reads the members' list once per distinct request over the
@@ -500,17 +490,9 @@ func (a *Adapter) readSharedPass(ctx context.Context, read readback.SharedRead, 
 		var resp *response
 		var doc any
 		err := rt.do(ctx, ev.Passes, p.requests+1, func() error {
-			return read.Request(ctx, func() error {
-				r, err := a.do(ctx, s.method, u, nil)
-				if err != nil {
-					return err
-				}
-				d, err := a.decode(u, r.body, &s.items, s.maxItems)
-				if err != nil {
-					return err
-				}
-				resp, doc = r, d
-				return nil
+			return read.Request(ctx, func() (err error) {
+				resp, doc, err = a.getList(ctx, s.method, u, &s.items, s.maxItems)
+				return err
 			})
 		})
 		if err != nil {
@@ -532,32 +514,14 @@ func (a *Adapter) readSharedPass(ctx context.Context, read readback.SharedRead, 
 			}
 		}
 		p.ids = append(p.ids, pageIDs...)
-		if (pg.Style == "page" || pg.Style == "offset") && len(pageIDs) > 0 && slices.Equal(pageIDs, prevPage) {
-			p.incomplete = fmt.Sprintf("page %d holds the same items as the page before it: the server ignores the %q parameter "+
-				"(check search.pagination.param), so the list cannot be read to its end", p.requests, pg.Param)
-			break
-		}
-		prevPage = pageIDs
-		next, why, err := a.nextPage(first, u, doc, resp.header, len(list), &page)
+		next, err := a.turnPage(first, u, doc, resp.header, len(list), p.requests, &page, pageIDs, prevPage, &p.incomplete, &p.truncated)
 		if err != nil {
 			return nil, nil, err
-		}
-		if why != "" {
-			p.incomplete = fmt.Sprintf("page %d: %s", p.requests, why)
-			break
 		}
 		if next == nil {
 			break
 		}
-		if next.String() == u.String() {
-			p.incomplete = fmt.Sprintf("page %d: the next page is the page just read, so the list cannot be read to its end", p.requests)
-			break
-		}
-		if p.requests >= pg.MaxPages {
-			p.truncated = true
-			p.incomplete = fmt.Sprintf("page bound (%d) reached before the end of the list", pg.MaxPages)
-			break
-		}
+		prevPage = pageIDs
 		u = next
 	}
 	slices.SortFunc(times, func(a, b time.Time) int { return a.Compare(b) })
@@ -615,9 +579,7 @@ func (a *Adapter) matchItem(x *matchIndex, ms []*member, u *url.URL, i int, item
 		return time.Time{}, terr
 	}
 	if why := saneTime(created, end); why != "" && a.cfg.fp != nil {
-		reason := fmt.Sprintf("item %d: created-at %s at %q is %s (created_at_format %q?): "+
-			"an item whose creation time is unknown may be the receipt's, so no absence is proven",
-			i, created.UTC().Format(time.RFC3339), s.createdAt.text, why, firstNonEmpty(s.createdAtFormat, "rfc3339"))
+		reason := a.insaneReason(i, created, why)
 		unmarked(func(mb *member) {
 			if mb.insane == "" {
 				mb.insane = reason

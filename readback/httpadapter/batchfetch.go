@@ -176,11 +176,7 @@ func (a *Adapter) fetchMany(ctx context.Context, read readback.SharedRead, sc *s
 	var status int
 	err = a.retrier(ctx, &Evidence{}).do(ctx, 0, 0, func() error {
 		return read.Request(ctx, func() error {
-			r, err := a.do(ctx, f.method, u, nil)
-			if err != nil {
-				return err
-			}
-			d, err := a.decode(u, r.body, &fb.items, max(len(ids), defaultMaxPageItems))
+			r, d, err := a.getList(ctx, f.method, u, &fb.items, max(len(ids), defaultMaxPageItems))
 			if err != nil {
 				return err
 			}
@@ -229,20 +225,5 @@ func (a *Adapter) decideFetched(sc *scope, doc any, query string, status int) (r
 		return readback.Result{}, readback.PermanentError(fmt.Errorf("the id at %q is %s: it cannot be recorded "+
 			"as the external id", a.cfg.fetch.id.text, why))
 	}
-	for _, p := range a.cfg.compare {
-		if want, ok := p.payload.get(sc.payload); ok && holdsSecretMarker(want) {
-			return readback.Result{}, readback.PermanentError(fmt.Errorf("receipt %d: compare field %s: %w",
-				sc.r.ID, p.payload.text, errSecretField))
-		}
-	}
-	res.ExternalIDs = []string{id}
-	if len(a.cfg.compare) == 0 {
-		res.Verdict = a.guard(sc, doc, ev)
-		return res, nil
-	}
-	res.Verdict = a.compare(sc, doc, ev)
-	if res.Verdict != readback.VerdictPresent {
-		res.ExternalIDs = nil
-	}
-	return res, nil
+	return a.judgeResource(sc, doc, id, res, ev)
 }

@@ -55,6 +55,13 @@ func (a *Adapter) fetchOne(ctx context.Context, sc *scope) (readback.Result, err
 		return readback.Result{}, readback.PermanentError(fmt.Errorf("%s: the id at %q is %s: it cannot be recorded "+
 			"as the external id", u.Redacted(), f.id.text, why))
 	}
+	return a.judgeResource(sc, doc, id, res, ev)
+}
+
+// judgeResource classifies the fetched resource doc (whose id is id) for
+// sc's receipt, as fetchOne and decideFetched both do: guarded for a
+// delete, compared for an update.
+func (a *Adapter) judgeResource(sc *scope, doc any, id string, res readback.Result, ev *Evidence) (readback.Result, error) {
 	for _, p := range a.cfg.compare {
 		if want, ok := p.payload.get(sc.payload); ok && holdsSecretMarker(want) {
 			// The intended value is not in the receipt: "other" would read

@@ -9,7 +9,6 @@ import (
 	"slices"
 	"strconv"
 	"strings"
-	"time"
 
 	"github.com/receiptledger/reconciler/readback"
 )
@@ -66,17 +65,9 @@ func (a *Adapter) readPassOnce(ctx context.Context, rt *retrier, sc *scope, firs
 		// goes on from it exactly as if the first answer had been good.
 		var resp *response
 		var doc any
-		err := rt.do(ctx, ev.Passes, p.requests+1, func() error {
-			r, err := a.do(ctx, s.method, u, nil)
-			if err != nil {
-				return err
-			}
-			d, err := a.decode(u, r.body, &s.items, s.maxItems)
-			if err != nil {
-				return err
-			}
-			resp, doc = r, d
-			return nil
+		err := rt.do(ctx, ev.Passes, p.requests+1, func() (err error) {
+			resp, doc, err = a.getList(ctx, s.method, u, &s.items, s.maxItems)
+			return err
 		})
 		if err != nil {
 			return nil, err
@@ -116,9 +107,7 @@ func (a *Adapter) readPassOnce(ctx context.Context, rt *retrier, sc *scope, firs
 				// fingerprint: with a marker alone, their time is moot.
 				p.insane++
 				if p.insaneReason == "" {
-					p.insaneReason = fmt.Sprintf("item %d: created-at %s at %q is %s (created_at_format %q?): "+
-						"an item whose creation time is unknown may be the receipt's, so no absence is proven",
-						i, created.UTC().Format(time.RFC3339), s.createdAt.text, why, firstNonEmpty(s.createdAtFormat, "rfc3339"))
+					p.insaneReason = a.insaneReason(i, created, why)
 				}
 				continue
 			}
@@ -157,36 +146,68 @@ func (a *Adapter) readPassOnce(ctx context.Context, rt *retrier, sc *scope, firs
 		if p.insane > 0 && p.incomplete == "" {
 			p.incompleteAfter = p.insaneReason
 		}
-		if (pg.Style == "page" || pg.Style == "offset") && len(pageIDs) > 0 && slices.Equal(pageIDs, prevPage) {
-			// A static list: the server answers every page with the same
-			// items, so the list has no end to read up to.
-			p.incomplete = fmt.Sprintf("page %d holds the same items as the page before it: the server ignores the %q parameter "+
-				"(check search.pagination.param), so the list cannot be read to its end", p.requests, pg.Param)
-			return p, nil
-		}
-		prevPage = pageIDs
-		next, why, err := a.nextPage(first, u, doc, resp.header, len(list), &page)
+		next, err := a.turnPage(first, u, doc, resp.header, len(list), p.requests, &page, pageIDs, prevPage, &p.incomplete, &p.truncated)
 		if err != nil {
 			return nil, err
-		}
-		if why != "" {
-			p.incomplete = fmt.Sprintf("page %d: %s", p.requests, why)
-			return p, nil
 		}
 		if next == nil {
 			return p, nil
 		}
-		if next.String() == u.String() {
-			p.incomplete = fmt.Sprintf("page %d: the next page is the page just read, so the list cannot be read to its end", p.requests)
-			return p, nil
-		}
-		if p.requests >= pg.MaxPages {
-			p.truncated = true
-			p.incomplete = fmt.Sprintf("page bound (%d) reached before the end of the list", pg.MaxPages)
-			return p, nil
-		}
+		prevPage = pageIDs
 		u = next
 	}
+}
+
+// turnPage decides where a pass goes after its page number requests (the
+// page at u, whose len(pageIDs) = n items follow prevPage): the next page's
+// URL, or nil when the pass ends, setting incomplete (and truncated) when
+// it ends before the end of the list.
+func (a *Adapter) turnPage(first, u *url.URL, doc any, h http.Header, n, requests int, page *int, pageIDs, prevPage []string, incomplete *string, truncated *bool) (*url.URL, error) {
+	pg := a.cfg.pagination
+	if (pg.Style == "page" || pg.Style == "offset") && len(pageIDs) > 0 && slices.Equal(pageIDs, prevPage) {
+		// A static list: the server answers every page with the same
+		// items, so the list has no end to read up to.
+		*incomplete = fmt.Sprintf("page %d holds the same items as the page before it: the server ignores the %q parameter "+
+			"(check search.pagination.param), so the list cannot be read to its end", requests, pg.Param)
+		return nil, nil
+	}
+	next, why, err := a.nextPage(first, u, doc, h, n, page)
+	if err != nil {
+		return nil, err
+	}
+	if why != "" {
+		*incomplete = fmt.Sprintf("page %d: %s", requests, why)
+		return nil, nil
+	}
+	if next == nil {
+		return nil, nil
+	}
+	if next.String() == u.String() {
+		*incomplete = fmt.Sprintf("page %d: the next page is the page just read, so the list cannot be read to its end", requests)
+		return nil, nil
+	}
+	if requests >= pg.MaxPages {
+		*truncated = true
+		*incomplete = fmt.Sprintf("page bound (%d) reached before the end of the list", pg.MaxPages)
+		return nil, nil
+	}
+	return next, nil
+}
+
+// firstPage renders the list's first page for sc: the URL of path and
+// query, asking for the first page explicitly when paged by number or
+// offset (APIs differ on the default).
+func (a *Adapter) firstPage(sc *scope, path template, query map[string]template) (*url.URL, error) {
+	u, err := a.buildURL(sc, path, query)
+	if err != nil {
+		return nil, err
+	}
+	if pg := a.cfg.pagination; pg.Style == "page" || pg.Style == "offset" {
+		q := u.Query()
+		q.Set(pg.Param, strconv.Itoa(*pg.Start))
+		u.RawQuery = q.Encode()
+	}
+	return u, nil
 }
 
 // identity names an item for comparing two passes: its id, or its JSON

@@ -31,15 +31,9 @@ import (
 func (a *Adapter) search(ctx context.Context, sc *scope) (readback.Result, error) {
 	s := a.cfg.search
 	pg := a.cfg.pagination
-	first, err := a.buildURL(sc, s.path, s.query)
+	first, err := a.firstPage(sc, s.path, s.query)
 	if err != nil {
 		return readback.Result{}, err
-	}
-	if pg.Style == "page" || pg.Style == "offset" {
-		// Ask for the first page explicitly: APIs differ on the default.
-		q := first.Query()
-		q.Set(pg.Param, strconv.Itoa(*pg.Start))
-		first.RawQuery = q.Encode()
 	}
 	start, end := sc.start.UTC(), sc.end.UTC()
 	ev := &Evidence{WindowStart: &start, WindowEnd: &end}
@@ -199,6 +193,15 @@ func saneTime(t, end time.Time) string {
 		return "more than a day after the window's end"
 	}
 	return ""
+}
+
+// insaneReason says why item i, whose creation time created is not one it
+// can have (why, from saneTime), leaves an absence unproven.
+func (a *Adapter) insaneReason(i int, created time.Time, why string) string {
+	s := a.cfg.search
+	return fmt.Sprintf("item %d: created-at %s at %q is %s (created_at_format %q?): "+
+		"an item whose creation time is unknown may be the receipt's, so no absence is proven",
+		i, created.UTC().Format(time.RFC3339), s.createdAt.text, why, firstNonEmpty(s.createdAtFormat, "rfc3339"))
 }
 
 func idOf(item any, p pointer) (string, error) {
