@@ -447,3 +447,64 @@ func TestSharedReadSettlesNoAbsenceWhoseWindowClosedMidRead(t *testing.T) {
 		}
 	}
 }
+
+// A shared read that finds an effect after an earlier authoritative
+// absence of the same receipt past its window proves the declared window
+// too short, as a receipt's own read does (TestAnEffectAfterAnAbsence
+// PastTheWindowWidensIt): a window alarm that widens it. The control is
+// missing at first, so the absence cannot settle the receipt.
+func TestSharedReadPresentAfterAbsenceWidensTheWindow(t *testing.T) {
+	ctx := context.Background()
+	db := pgtest.NewPool(t)
+	agent, err := ledger.New(db, "agent:test")
+	if err != nil {
+		t.Fatal(err)
+	}
+	clk := newClock()
+	api := newListAPI(t, clk, 60*time.Millisecond)
+	start := clk.Now()
+	r, err := agent.PlanAndSubmit(ctx, ledger.Intent{IdempotencyKey: "late-item", Operation: "items.create", Dependency: "shop",
+		Method: "POST", Target: "/items", Payload: json.RawMessage(`{"key":"late-item"}`)})
+	if err == nil {
+		r, err = agent.MarkUnknown(ctx, r, ledger.Detail{Reason: "the answer was lost"})
+	}
+	if err != nil {
+		t.Fatal(err)
+	}
+	file := filepath.Join(t.TempDir(), "adapters.yaml")
+	if err := os.WriteFile(file, []byte(batchAdapters(api.srv.URL, start.Add(-50*time.Second), true)), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	reg, err := httpadapter.LoadFile(file, nil, httpadapter.WithClock(clk.Now))
+	if err != nil {
+		t.Fatal(err)
+	}
+	pool := newPool(t, db, reconcile.Config{Registry: reg, Now: clk.Now, OrphanTimeout: -1})
+	sharedAbsencePastWindow := func() bool {
+		var n int
+		if err := db.QueryRow(ctx, `SELECT count(*) FROM reconciler.readback_checks c JOIN reconciler.receipts r ON r.id = c.receipt_id
+			WHERE c.receipt_id = $1 AND c.verdict = 'absent' AND c.authoritative
+			  AND (c.evidence ? 'shared_read' OR c.evidence -> 'adapter_evidence' ? 'shared_read')
+			  AND c.at >= r.submitted_at + r.max_send_delay + interval '3 seconds'`, r.ID).Scan(&n); err != nil {
+			t.Fatal(err)
+		}
+		return n > 0
+	}
+	drainUntil(t, pool, clk, 500*time.Millisecond, 200, sharedAbsencePastWindow)
+	if st := receipt(t, db, r.ID).State; st != "reconciling" && st != "outcome_unknown" {
+		t.Fatalf("an absence settled without its control: %s", st)
+	}
+	api.add(listItem{id: "control", marker: "bootstrap:shop:items.create", created: start.Add(-50 * time.Second),
+		visible: start.Add(-50 * time.Second)})
+	api.add(listItem{id: "item-late", marker: "late-item", created: r.SubmittedAt.Add(time.Second), visible: clk.Now()})
+	drainUntil(t, pool, clk, 500*time.Millisecond, 200, func() bool { return receipt(t, db, r.ID).State == "succeeded" })
+	var kind string
+	var declared, effective float64
+	if err := db.QueryRow(ctx, `SELECT kind, extract(epoch FROM declared), extract(epoch FROM effective_after)
+		FROM reconciler.window_alarms WHERE receipt_id = $1`, r.ID).Scan(&kind, &declared, &effective); err != nil {
+		t.Fatalf("no window alarm from a shared read: %v", err)
+	}
+	if kind != reconcile.AlarmPresentAfterAbsence || effective <= declared {
+		t.Fatalf("window alarm %s: declared %vs, effective %vs", kind, declared, effective)
+	}
+}

@@ -243,6 +243,10 @@ func (s *session) readBatch(b *readback.Binding, bt readback.Batcher, rows []Cla
 		if kind := ControlNeeded(out); kind != "" {
 			out = dec.decide(readAt, answeredAt, c, b, res, ans.Err, latency, s.control(b, c.Receipt, kind))
 		}
+		// A shared read that found the effect is evidence of the lag like a
+		// receipt's own read: observed, and an alarm that widens the
+		// window when an earlier absence past it was wrong.
+		s.found(c, b, readAt, out)
 		s.countCheck(c, b, res, ans.Err)
 		s.emit(out)
 	}
