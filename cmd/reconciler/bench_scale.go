@@ -26,15 +26,18 @@ func benchScaleCommand() *cli.Command {
 		Usage: "fill N receipts spread over a year with their history, print claim, plan, sweep and review list " +
 			"latencies and table and index sizes per million receipts, then the same after a retention pass",
 		Description: "Creates a scratch database (see bench settle), fills it with the triggers off (history " +
-			"events, readback checks and keys written alongside, as the triggers would), VACUUM ANALYZEs it, " +
-			"measures, runs one retention pass (archive written to a temporary directory), VACUUM FULLs the " +
-			"tables, and measures again. Output is one name=value per line.",
+			"events, readback checks, verdict audits and keys written alongside, as the triggers would; on a " +
+			"partitioned schema, the history partitions created first), VACUUM ANALYZEs it, measures, runs one " +
+			"retention pass (archive written to a temporary directory), VACUUM FULLs the tables, and measures " +
+			"again. Output is one name=value per line.",
 		Flags: []cli.Flag{
 			benchServerFlag(),
 			&cli.IntFlag{Name: "receipts", Value: 1_000_000, Usage: "receipts to fill"},
 			&cli.StringFlag{Name: "settled", Value: "90d", Usage: "retention pass: settled receipts kept this long"},
 			&cli.StringFlag{Name: "history", Value: "180d", Usage: "retention pass: their history kept this long"},
 			&cli.IntFlag{Name: "samples", Value: 100, Usage: "claims, plans and review lists measured per phase"},
+			&cli.BoolFlag{Name: "retention", Value: true, Usage: "run the retention pass and measure after it " +
+				"(false: measure the filled ledger only; a pass over 10 million receipts takes hours on a small machine)"},
 			&cli.BoolFlag{Name: "keep", Usage: "keep the benchmark database (its name is printed; not with a throwaway cluster)"},
 		},
 		Action: benchScale,
@@ -50,7 +53,8 @@ func benchScaleCommand() *cli.Command {
 // 1,000, 2 manual_review, 5 safe_to_retry never retried (open chains), 20
 // rejected, the rest succeeded, one in ten of those through the
 // reconciler (five events and a readback check, else three events). One
-// receipt in 10,000 has a duplicate alarm.
+// settled receipt in 100 is a delete (most of them succeeded through the
+// reconciler). One receipt in 10,000 has a duplicate alarm.
 const sqlScaleFill = `WITH r AS (
 	SELECT g, now() - (@n - g) * (interval '365 days' / @n) AS created,
 	       CASE WHEN g > @n * 98 / 100 THEN
@@ -65,7 +69,8 @@ const sqlScaleFill = `WITH r AS (
 INSERT INTO reconciler.receipts (idempotency_key, operation, dependency, method, target, fingerprint, intent,
     state, state_actor, state_detail, created_at, submitted_at, updated_at, unknown_since, next_check_at,
     lease_owner, lease_expires_at, version, check_count, guarded)
-SELECT 'scale:' || g, 'things.create', 'dep-' || (g % 20), 'POST', '/things', 'sha256:' || md5(g::text) || md5(g::text || 'x'),
+SELECT 'scale:' || g, CASE WHEN g % 100 = 0 AND g <= @n * 98 / 100 THEN 'things.delete' ELSE 'things.create' END,
+       'dep-' || (g % 20), CASE WHEN g % 100 = 0 AND g <= @n * 98 / 100 THEN 'DELETE' ELSE 'POST' END, '/things', 'sha256:' || md5(g::text) || md5(g::text || 'x'),
        jsonb_build_object('name', 'thing ' || g),
        state, CASE WHEN state IN ('reconciling', 'manual_review', 'safe_to_retry') OR g % 10 = 0 AND state = 'succeeded'
                    THEN 'reconciler:scale' ELSE 'agent:scale' END,
@@ -102,23 +107,56 @@ func sqlScaleHistory() []string {
 		`INSERT INTO reconciler.readback_checks (receipt_id, check_no, at, instance, adapter, dependency, verdict,
 		     authoritative, latency_us)
 		 SELECT id, 1, updated_at, 'scale', 'scale', dependency,
-		        CASE state WHEN 'succeeded' THEN 'present' WHEN 'safe_to_retry' THEN 'absent' ELSE 'inconclusive' END,
+		        CASE WHEN state = 'safe_to_retry' OR state = 'succeeded' AND operation = 'things.delete' THEN 'absent'
+		             WHEN state = 'succeeded' THEN 'present' ELSE 'inconclusive' END,
 		        true, 1500
 		 FROM reconciler.receipts WHERE id BETWEEN @lo AND @hi AND check_count > 0`,
 		`INSERT INTO reconciler.duplicate_alarms (receipt_id, detected_at, instance, adapter, dependency, external_ids)
 		 SELECT id, updated_at, 'scale', 'scale', dependency, '{a,b}' FROM reconciler.receipts
 		 WHERE id BETWEEN @lo AND @hi AND id % 10000 = 5000 AND state = 'succeeded'`,
+		// The reconciler audits each absence it settled (migration 00015):
+		// the safe_to_retry receipts and the reconciler's succeeded
+		// deletes, once each, a day after the verdict.
+		`INSERT INTO reconciler.verdict_audits (receipt_id, dependency, operation, adapter, settled_state, settled_at,
+		     at, instance, verdict)
+		 SELECT id, dependency, operation, 'scale', state, updated_at, updated_at + interval '1 day', 'scale', 'confirmed'
+		 FROM reconciler.receipts WHERE id BETWEEN @lo AND @hi
+		   AND (state = 'safe_to_retry' OR state = 'succeeded' AND operation = 'things.delete' AND state_actor = 'reconciler:scale')`,
 	}
 }
 
 // sqlScaleSizes is the size of each table of the ledger and of its
-// indexes, largest first.
-const sqlScaleSizes = `SELECT c.relname, pg_table_size(c.oid), pg_indexes_size(c.oid),
-	(SELECT count(*) FROM pg_catalog.pg_index i WHERE i.indrelid = c.oid)
-	FROM pg_catalog.pg_class c JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace
-	WHERE n.nspname = 'reconciler' AND c.relkind = 'r' AND c.relname <> 'goose_db_version'
-	  AND pg_total_relation_size(c.oid) > 65536
-	ORDER BY pg_total_relation_size(c.oid) DESC`
+// indexes, largest first, with its partition count (0: not partitioned).
+// A partitioned table stores nothing itself (its size and its indexes' are
+// 0): its size is the sum over the leaves of its partition tree, which for
+// a plain table is the table alone.
+const sqlScaleSizes = `SELECT c.relname, sum(pg_table_size(t.relid))::bigint, sum(pg_indexes_size(t.relid))::bigint,
+	(SELECT count(*) FROM pg_catalog.pg_index i WHERE i.indrelid = c.oid),
+	count(*) FILTER (WHERE t.relid <> c.oid AND t.isleaf)
+	FROM pg_catalog.pg_class c JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace,
+	     LATERAL pg_catalog.pg_partition_tree(c.oid) t
+	WHERE n.nspname = 'reconciler' AND c.relkind IN ('r', 'p') AND NOT c.relispartition
+	  AND c.relname <> 'goose_db_version'
+	GROUP BY c.oid, c.relname
+	HAVING sum(pg_total_relation_size(t.relid)) > 65536
+	ORDER BY sum(pg_total_relation_size(t.relid)) DESC`
+
+// sqlScaleDefaultPartitions names the default partitions of the ledger's
+// partitioned tables: rows there are rows the fill (or the reconciler's
+// partition maintenance) failed to place in a numbered partition.
+const sqlScaleDefaultPartitions = `SELECT p.relname
+	FROM pg_catalog.pg_class p JOIN pg_catalog.pg_namespace n ON n.oid = p.relnamespace
+	WHERE n.nspname = 'reconciler' AND p.relispartition
+	  AND pg_catalog.pg_get_expr(p.relpartbound, p.oid) = 'DEFAULT'
+	ORDER BY 1`
+
+// sqlScaleHistoryPartitions counts the numbered (non-default) partitions of
+// the history tables, which retention may drop whole.
+const sqlScaleHistoryPartitions = `SELECT count(*) FROM pg_catalog.pg_inherits i
+	JOIN pg_catalog.pg_class p ON p.oid = i.inhrelid
+	WHERE i.inhparent IN (SELECT to_regclass(t) FROM unnest(ARRAY['reconciler.receipt_events',
+	          'reconciler.readback_checks', 'reconciler.verdict_audits']) t)
+	  AND pg_catalog.pg_get_expr(p.relpartbound, p.oid) <> 'DEFAULT'`
 
 func benchScale(c *cli.Context) error {
 	n := c.Int("receipts")
@@ -162,6 +200,14 @@ func benchScale(c *cli.Context) error {
 	if err := scaleMeasure(ctx, w, db, "before", n, samples); err != nil {
 		return cli.Exit(fmt.Sprintf("bench scale: %v", err), 1)
 	}
+	if !c.Bool("retention") {
+		fmt.Fprintln(w, "retention=skipped (--retention=false: no retention pass, no after phase)")
+		return nil
+	}
+	var partsBefore int64
+	if err := db.QueryRow(ctx, sqlScaleHistoryPartitions).Scan(&partsBefore); err != nil {
+		return cli.Exit(fmt.Sprintf("bench scale: %v", err), 1)
+	}
 
 	dir, err := os.MkdirTemp("", "reconciler-bench-archive-")
 	if err != nil {
@@ -185,12 +231,18 @@ func benchScale(c *cli.Context) error {
 	fmt.Fprintf(w, "retention_receipts_removed=%d\n", rep.Rows["receipts"])
 	fmt.Fprintf(w, "retention_events_removed=%d\n", rep.Rows["receipt_events"])
 	fmt.Fprintf(w, "retention_checks_removed=%d\n", rep.Rows["readback_checks"])
+	fmt.Fprintf(w, "retention_audits_removed=%d\n", rep.Rows["verdict_audits"])
+	var partsAfter int64
+	if err := db.QueryRow(ctx, sqlScaleHistoryPartitions).Scan(&partsAfter); err != nil {
+		return cli.Exit(fmt.Sprintf("bench scale: %v", err), 1)
+	}
+	fmt.Fprintf(w, "retention_history_partitions_dropped=%d (of %d)\n", partsBefore-partsAfter, partsBefore)
 	fmt.Fprintf(w, "retention_receipts_per_s=%.0f\n", float64(rep.Rows["receipts"])/elapsed.Seconds())
 	fmt.Fprintf(w, "retention_archive_mb=%.1f\n", float64(archived)/(1<<20))
 	fmt.Fprintf(w, "retention_batches=%d+%d\n", rep.ReceiptBatches, rep.HistoryBatches)
 	start = time.Now()
 	if _, err := db.Exec(ctx, `VACUUM (FULL, ANALYZE) reconciler.receipts, reconciler.receipt_events,
-		reconciler.readback_checks, reconciler.receipt_keys, reconciler.late_outcomes`); err != nil {
+		reconciler.readback_checks, reconciler.verdict_audits, reconciler.receipt_keys, reconciler.late_outcomes`); err != nil {
 		return cli.Exit(fmt.Sprintf("bench scale: vacuum: %v", err), 1)
 	}
 	fmt.Fprintf(w, "vacuum_full_s=%.1f\n", time.Since(start).Seconds())
@@ -204,13 +256,20 @@ func benchScale(c *cli.Context) error {
 }
 
 // scaleFill fills n receipts in chunks, on one connection with the
-// triggers off, then VACUUM ANALYZEs.
+// triggers off, then VACUUM ANALYZEs. On a partitioned schema it first has
+// the history partitions for ids up to n created, as the reconciler's
+// partition maintenance would have, so that no row lands in a default
+// partition.
 func scaleFill(ctx context.Context, db *pgxpool.Pool, n int) error {
 	conn, err := db.Acquire(ctx)
 	if err != nil {
 		return err
 	}
 	defer conn.Release()
+	if _, err := conn.Exec(ctx, `SELECT reconciler.ensure_history_partitions($1)
+		WHERE to_regprocedure('reconciler.ensure_history_partitions(bigint)') IS NOT NULL`, n); err != nil {
+		return fmt.Errorf("history partitions: %w", err)
+	}
 	if _, err := conn.Exec(ctx, `SET session_replication_role = replica`); err != nil {
 		return fmt.Errorf("%w (the bench's fill needs a superuser)", err)
 	}
@@ -244,18 +303,24 @@ func scaleMeasure(ctx context.Context, w io.Writer, db *pgxpool.Pool, phase stri
 		return err
 	}
 	var name string
-	var table, index, indexes int64
+	var table, index, indexes, parts int64
 	perMillion := func(b int64) float64 { return float64(b) / (1 << 20) / (float64(n) / 1e6) }
 	var total int64
-	if _, err := pgx.ForEachRow(rows, []any{&name, &table, &index, &indexes}, func() error {
+	if _, err := pgx.ForEachRow(rows, []any{&name, &table, &index, &indexes, &parts}, func() error {
 		total += table + index
 		fmt.Fprintf(w, "%s_%s_table_mb_per_million=%.1f\n", phase, name, perMillion(table))
 		fmt.Fprintf(w, "%s_%s_indexes_mb_per_million=%.1f (%d indexes)\n", phase, name, perMillion(index), indexes)
+		if parts > 0 {
+			fmt.Fprintf(w, "%s_%s_partitions=%d\n", phase, name, parts)
+		}
 		return nil
 	}); err != nil {
 		return err
 	}
 	fmt.Fprintf(w, "%s_total_mb_per_million=%.1f\n", phase, perMillion(total))
+	if err := scaleDefaultRows(ctx, w, db, phase); err != nil {
+		return err
+	}
 
 	store, err := reconcile.NewStore(db, "scale-"+phase)
 	if err != nil {
@@ -312,6 +377,34 @@ func scaleMeasure(ctx context.Context, w io.Writer, db *pgxpool.Pool, phase stri
 		lists = append(lists, time.Since(t0))
 	}
 	printPercentiles(w, phase+"_review_list50", lists)
+	return nil
+}
+
+// scaleDefaultRows prints the rows held in default partitions (nothing
+// when the schema has none): the fill places every row in a numbered
+// partition, so any number but 0 is a bench or maintenance bug.
+func scaleDefaultRows(ctx context.Context, w io.Writer, db *pgxpool.Pool, phase string) error {
+	rows, err := db.Query(ctx, sqlScaleDefaultPartitions)
+	if err != nil {
+		return err
+	}
+	names, err := pgx.CollectRows(rows, pgx.RowTo[string])
+	if err != nil {
+		return err
+	}
+	if len(names) == 0 {
+		return nil
+	}
+	var total int64
+	for _, name := range names {
+		var c int64
+		q := "SELECT count(*) FROM " + pgx.Identifier{"reconciler", name}.Sanitize()
+		if err := db.QueryRow(ctx, q).Scan(&c); err != nil {
+			return fmt.Errorf("rows in %s: %w", name, err)
+		}
+		total += c
+	}
+	fmt.Fprintf(w, "%s_default_partition_rows=%d (%d default partitions)\n", phase, total, len(names))
 	return nil
 }
 
