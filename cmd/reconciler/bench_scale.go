@@ -128,13 +128,15 @@ func sqlScaleHistory() []string {
 // sqlScaleSizes is the size of each table of the ledger and of its
 // indexes, largest first, with its partition count (0: not partitioned).
 // A partitioned table stores nothing itself (its size and its indexes' are
-// 0): its size is the sum over the leaves of its partition tree, which for
-// a plain table is the table alone.
+// 0): its size is the sum over the leaves of its partition tree
+// (pg_partition_tree lists nothing for a plain table: that is its own
+// leaf).
 const sqlScaleSizes = `SELECT c.relname, sum(pg_table_size(t.relid))::bigint, sum(pg_indexes_size(t.relid))::bigint,
 	(SELECT count(*) FROM pg_catalog.pg_index i WHERE i.indrelid = c.oid),
 	count(*) FILTER (WHERE t.relid <> c.oid AND t.isleaf)
 	FROM pg_catalog.pg_class c JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace,
-	     LATERAL pg_catalog.pg_partition_tree(c.oid) t
+	     LATERAL (SELECT p.relid, p.isleaf FROM pg_catalog.pg_partition_tree(c.oid) p WHERE c.relkind = 'p'
+	              UNION ALL SELECT c.oid, true WHERE c.relkind = 'r') t
 	WHERE n.nspname = 'reconciler' AND c.relkind IN ('r', 'p') AND NOT c.relispartition
 	  AND c.relname <> 'goose_db_version'
 	GROUP BY c.oid, c.relname
@@ -266,9 +268,15 @@ func scaleFill(ctx context.Context, db *pgxpool.Pool, n int) error {
 		return err
 	}
 	defer conn.Release()
-	if _, err := conn.Exec(ctx, `SELECT reconciler.ensure_history_partitions($1)
-		WHERE to_regprocedure('reconciler.ensure_history_partitions(bigint)') IS NOT NULL`, n); err != nil {
-		return fmt.Errorf("history partitions: %w", err)
+	var partitioned bool
+	if err := conn.QueryRow(ctx, `SELECT to_regprocedure('reconciler.ensure_history_partitions(bigint)') IS NOT NULL`).
+		Scan(&partitioned); err != nil {
+		return err
+	}
+	if partitioned {
+		if _, err := conn.Exec(ctx, `SELECT reconciler.ensure_history_partitions($1)`, n); err != nil {
+			return fmt.Errorf("history partitions: %w", err)
+		}
 	}
 	if _, err := conn.Exec(ctx, `SET session_replication_role = replica`); err != nil {
 		return fmt.Errorf("%w (the bench's fill needs a superuser)", err)
