@@ -249,6 +249,11 @@ GRANT INSERT (receipt_id, dependency, operation, adapter, settled_state, settled
 GRANT INSERT (at, instance, dependency, adapter, operation, receipt_id, kind, declared, observed,
               effective_before, effective_after, evidence)
     ON reconciler.window_alarms TO reconciler_worker;
+-- Partitioned history (migration 00021, docs/retention.md): the daemon
+-- keeps the partitions ahead through ensure_history_partitions (SECURITY
+-- DEFINER: the partitions are the owner's; the worker holds no privilege
+-- on any partition, so it cannot write, detach or drop one).
+GRANT EXECUTE ON FUNCTION reconciler.ensure_history_partitions(bigint) TO reconciler_worker;
 
 -- reconciler_reviewer: read receipts, their history and the evidence the
 -- reconciler gathered, and move held receipts as a human (ledger's UPDATE,
@@ -273,7 +278,8 @@ GRANT SELECT ON reconciler.receipts, reconciler.receipt_events, reconciler.readb
                 reconciler.dependency_breakers, reconciler.gateway_responses,
                 reconciler.webhook_receipts, reconciler.webhook_deliveries,
                 reconciler.verdict_audits, reconciler.window_alarms, reconciler.audit_queue,
-                reconciler.retention_batches, reconciler.removed_receipts
+                reconciler.retention_batches, reconciler.removed_receipts,
+                reconciler.history_partitioning
     TO reconciler_readonly;
 
 -- reconciler_retention: `reconciler archive`. Chooses with
@@ -286,7 +292,8 @@ GRANT SELECT ON reconciler.receipts, reconciler.receipt_events, reconciler.readb
 GRANT EXECUTE ON FUNCTION
     reconciler.retention_keep_reason(reconciler.receipts, timestamptz, interval),
     reconciler.retention_remove_receipts(bigint[], text, text, timestamptz, interval, jsonb),
-    reconciler.retention_remove_history(bigint, text, text, jsonb)
+    reconciler.retention_remove_history(bigint, text, text, jsonb),
+    reconciler.ensure_history_partitions(bigint)
     TO reconciler_retention;
 GRANT SELECT ON reconciler.receipts, reconciler.receipt_events, reconciler.readback_checks,
                 reconciler.late_outcomes, reconciler.duplicate_alarms, reconciler.lifetime_alarms,
