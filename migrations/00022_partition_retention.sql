@@ -55,7 +55,7 @@ SET search_path = pg_catalog, pg_temp AS $$
     CROSS JOIN LATERAL (SELECT pg_get_expr(c.relpartbound, c.oid) AS bound) b
     WHERE i.inhparent IN ('reconciler.receipt_events'::regclass, 'reconciler.readback_checks'::regclass,
                           'reconciler.verdict_audits'::regclass)
-      AND b.bound ~ 'TO \(''-?[0-9]+''\)'
+      AND b.bound ~ 'TO \(''?-?[0-9]+''?\)'
 $$;
 -- +goose StatementEnd
 

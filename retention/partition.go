@@ -15,14 +15,15 @@ type partitionRange struct {
 	Hi int64
 }
 
-// String names the range as its archive does: the first partition's lower
-// bound is "min".
+// String names the range as its archive does, with the 19 digits of the
+// partitions' names (migration 00021); the first partition's lower bound
+// is "min".
 func (r partitionRange) String() string {
 	lo := "min"
 	if r.Lo != nil {
-		lo = fmt.Sprintf("%012d", *r.Lo)
+		lo = fmt.Sprintf("%019d", *r.Lo)
 	}
-	return lo + "-" + fmt.Sprintf("%012d", r.Hi)
+	return lo + "-" + fmt.Sprintf("%019d", r.Hi)
 }
 
 // removePartitions drops, oldest first, every history partition range
