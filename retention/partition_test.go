@@ -17,6 +17,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/receiptledger/reconciler/internal/pgtest"
+	"github.com/receiptledger/reconciler/migrations"
 	"github.com/receiptledger/reconciler/retention"
 )
 
@@ -223,6 +224,15 @@ func TestHistoryPartitionLeavesWhole(t *testing.T) {
 		retention.Policy{Settled: 90 * day, History: 365 * day, Horizon: time.Hour}, 0)
 	if err != nil || rep.HistoryBatches != 0 || rep.HistoryPartitions != 0 || len(rep.Files) != 0 {
 		t.Errorf("second pass: %+v, %v; want nothing", rep, err)
+	}
+
+	// Going below 00022 would lose the record of the dropped ranges.
+	p, err := migrations.NewProvider(ctx, migrations.OpenDB(db))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := p.Down(ctx); err == nil || !strings.Contains(err.Error(), "records dropped history partitions") {
+		t.Errorf("down past 00022 with dropped partitions: %v", err)
 	}
 }
 
