@@ -5,6 +5,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/jackc/pgx/v5/pgconn"
+
 	"github.com/receiptledger/reconciler/ledger"
 	"github.com/receiptledger/reconciler/retention"
 )
@@ -43,6 +45,14 @@ func TestRetentionRole(t *testing.T) {
 	} {
 		wantCode(t, p.name+": retention_remove_receipts", p.exec(), denied)
 	}
+	// Nor a history partition's drop (migration 00022).
+	drop := `SELECT reconciler.retention_drop_history_partition(NULL, 1, clock_timestamp(), 'x', repeat('0', 64), '{}')`
+	for name, pool := range map[string]interface {
+		Exec(context.Context, string, ...any) (pgconn.CommandTag, error)
+	}{"agent": e.agent, "worker": e.worker, "reviewer": e.reviewer} {
+		_, err := pool.Exec(ctx, drop)
+		wantCode(t, name+": retention_drop_history_partition", err, denied)
+	}
 	refuse(t, ret, denied, append(forgeries(r.ID),
 		stmt{"delete receipts", `DELETE FROM reconciler.receipts WHERE id = $1`, []any{r.ID}},
 		stmt{"delete receipts with the removal's setting", `SELECT set_config('reconciler.retention_batch', '1', true);
@@ -50,6 +60,8 @@ func TestRetentionRole(t *testing.T) {
 		stmt{"update receipts", `UPDATE reconciler.receipts SET state = 'succeeded' WHERE id = $1`, []any{kept.ID}},
 		stmt{"insert retention_batches", `INSERT INTO reconciler.retention_batches (kind, archive, sha256, removed)
 			VALUES ('receipts', 'x', repeat('0', 64), '{}')`, nil},
+		stmt{"detach a history partition", `ALTER TABLE reconciler.receipt_events DETACH PARTITION reconciler.receipt_events_legacy`, nil},
+		stmt{"drop a history partition", `DROP TABLE reconciler.readback_checks_legacy`, nil},
 	))
 
 	// The receipt settled a moment ago, never sent; a policy of a
