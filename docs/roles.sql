@@ -254,6 +254,11 @@ GRANT INSERT (at, instance, dependency, adapter, operation, receipt_id, kind, de
 -- DEFINER: the partitions are the owner's; the worker holds no privilege
 -- on any partition, so it cannot write, detach or drop one).
 GRANT EXECUTE ON FUNCTION reconciler.ensure_history_partitions(bigint) TO reconciler_worker;
+-- Every role that reads history may list its partitions (their ranges,
+-- and the rows a default partition holds): reconciler_history_* metrics,
+-- `reconciler partitions show`, `stats`.
+GRANT EXECUTE ON FUNCTION reconciler.history_partitions()
+    TO reconciler_worker, reconciler_reviewer, reconciler_readonly, reconciler_retention;
 
 -- reconciler_reviewer: read receipts, their history and the evidence the
 -- reconciler gathered, and move held receipts as a human (ledger's UPDATE,

@@ -253,6 +253,41 @@ $$;
 -- +goose StatementEnd
 REVOKE ALL ON FUNCTION reconciler.ensure_history_partitions(bigint) FROM PUBLIC;
 
+-- The partitions of the history tables, for the reconciler's metrics and
+-- `reconciler partitions show`: each one's range (from_id NULL: from
+-- MINVALUE; both NULL: the default partition) and, for a default
+-- partition, the rows it holds (counted: it is empty unless the partitions
+-- ahead ran out). SECURITY DEFINER: no runtime role holds a privilege on a
+-- partition.
+-- +goose StatementBegin
+CREATE FUNCTION reconciler.history_partitions()
+RETURNS TABLE (parent text, partition text, from_id bigint, to_id bigint, default_rows bigint)
+LANGUAGE plpgsql STABLE SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
+DECLARE
+    r record;
+BEGIN
+    FOR r IN
+        SELECT p.relname::text AS parent, c.relname::text AS part, pg_get_expr(c.relpartbound, c.oid) AS bound
+        FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid JOIN pg_class p ON p.oid = i.inhparent
+        WHERE p.oid IN ('reconciler.receipt_events'::regclass, 'reconciler.readback_checks'::regclass,
+                        'reconciler.verdict_audits'::regclass)
+        ORDER BY 1, 2
+    LOOP
+        parent := r.parent;
+        partition := r.part;
+        from_id := (regexp_match(r.bound, 'FROM \(''?(-?[0-9]+)''?\)'))[1]::bigint;
+        to_id := (regexp_match(r.bound, 'TO \(''?(-?[0-9]+)''?\)'))[1]::bigint;
+        default_rows := NULL;
+        IF r.bound = 'DEFAULT' THEN
+            EXECUTE format('SELECT count(*) FROM reconciler.%I', r.part) INTO default_rows;
+        END IF;
+        RETURN NEXT;
+    END LOOP;
+END
+$$;
+-- +goose StatementEnd
+REVOKE ALL ON FUNCTION reconciler.history_partitions() FROM PUBLIC;
+
 -- Partitions ahead from the start: `migrate up` leaves the ledger ready
 -- before any reconciler runs.
 SELECT reconciler.ensure_history_partitions();
@@ -298,6 +333,8 @@ $$;
 -- partitions ahead, and the archiver may too before a removal.
 -- +goose StatementBegin
 DO $$
+DECLARE
+    r text;
 BEGIN
     IF to_regrole('reconciler_worker') IS NOT NULL THEN
         GRANT EXECUTE ON FUNCTION reconciler.ensure_history_partitions(bigint) TO reconciler_worker;
@@ -308,6 +345,12 @@ BEGIN
     IF to_regrole('reconciler_readonly') IS NOT NULL THEN
         GRANT SELECT ON reconciler.history_partitioning TO reconciler_readonly;
     END IF;
+    -- Every role that reads history may list its partitions.
+    FOREACH r IN ARRAY ARRAY['reconciler_worker', 'reconciler_reviewer', 'reconciler_readonly', 'reconciler_retention'] LOOP
+        IF to_regrole(r) IS NOT NULL THEN
+            EXECUTE format('GRANT EXECUTE ON FUNCTION reconciler.history_partitions() TO %I', r);
+        END IF;
+    END LOOP;
 END
 $$;
 -- +goose StatementEnd
@@ -343,6 +386,7 @@ BEGIN
 END
 $$;
 -- +goose StatementEnd
+DROP FUNCTION reconciler.history_partitions();
 DROP FUNCTION reconciler.ensure_history_partitions(bigint);
 DROP TABLE reconciler.history_partitioning;
 

@@ -50,6 +50,15 @@ func TestRetentionPlans(t *testing.T) {
 			t.Fatalf("%s: %v", q, err)
 		}
 	}
+	// History is partitioned (migration 00021): a scan names the
+	// partition and its index; the test names the root's.
+	roots := pgtest.PartitionRoots(t, db)
+	root := func(name string) string {
+		if r, ok := roots[name]; ok {
+			return r
+		}
+		return name
+	}
 	ids := make([]int64, 5000)
 	for i := range ids {
 		ids[i] = int64(100001 + i)
@@ -64,11 +73,10 @@ func TestRetentionPlans(t *testing.T) {
 			[]string{"receipts_pkey", "receipts_retry_of"}},
 		{"export receipts", sqlExportReceipts, []any{ids},
 			[]string{"receipts_pkey"}},
-		// (The history is partitioned by receipt id (migration 00021):
-		// these rows are all in the first partition.)
 		{"export history", sqlExportHistory, []any{int64(1)},
-			[]string{"receipt_events_legacy_pkey"}},
-		// A range's export reads its partitions only.
+			[]string{"receipt_events_pkey"}},
+		// A range's export reads its partitions only (sequentially: all of
+		// them), here the first ones.
 		{"export partition", sqlExportPartition, []any{nil, int64(1000000)}, nil},
 	} {
 		var raw []byte
@@ -85,8 +93,8 @@ func TestRetentionPlans(t *testing.T) {
 			if n.Relation != "" {
 				scans = append(scans, fmt.Sprintf("%s %s %s", n.NodeType, n.Relation, n.IndexName))
 			}
-			used[n.IndexName] = true
-			if n.NodeType == "Seq Scan" && c.want != nil && (n.Relation == "receipts" || strings.HasPrefix(n.Relation, "receipt_events")) {
+			used[root(n.IndexName)] = true
+			if n.NodeType == "Seq Scan" && c.want != nil && (n.Relation == "receipts" || root(n.Relation) == "receipt_events") {
 				t.Errorf("%s: sequential scan of %s", c.name, n.Relation)
 			}
 			if c.want == nil && n.Relation != "" && !strings.HasSuffix(n.Relation, "_legacy") {

@@ -97,6 +97,7 @@ func newApp(stdin io.Reader, stdout, stderr io.Writer) *cli.App {
 			uiCommand(),
 			receiptsCommand(),
 			archiveCommand(),
+			partitionsCommand(),
 			versionCommand(),
 			rolesCommand(),
 		},

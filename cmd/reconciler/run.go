@@ -228,6 +228,9 @@ func runAction(c *cli.Context) error {
 		}()
 	}
 
+	// The history partitions are kept ahead by every instance (one leads
+	// each round), at once and then each minute.
+	defer startPartitionKeeper(ctx, db, promReg, logger, c.Bool("once"))()
 	if c.Bool("once") {
 		sum, err := pool.Drain(ctx)
 		printSummary(c.App.Writer, sum)
