@@ -313,7 +313,6 @@ GRANT SELECT ON reconciler.receipts, reconciler.receipt_events, reconciler.readb
 -- detach or drop a partition), which re-checks the rule and the rows under
 -- the partitions' locks.
 GRANT EXECUTE ON FUNCTION
-    reconciler.history_partition_ranges(),
     reconciler.retention_partition_keep_reason(bigint, bigint, timestamptz),
     reconciler.retention_drop_history_partition(bigint, bigint, timestamptz, text, text, jsonb)
     TO reconciler_retention;

@@ -4,20 +4,21 @@
 -- (migration 00021) to one file and drops them, instead of deleting their
 -- rows one by one (retention_remove_history).
 --
--- 1. reconciler.history_partition_ranges(): the range partitions of the
---    three history tables, with their bounds (lo NULL: the first partition,
---    from MINVALUE, which holds the rows written before 00021). The default
---    partitions are not listed: they are never dropped.
--- 2. reconciler.retention_partition_keep_reason(lo, hi, history_before):
+-- The ranges are those reconciler.history_partitions() (00021) lists, from
+-- the catalog: from_id NULL for the first partition (from MINVALUE, the
+-- rows written before 00021); the default partitions (no range) are never
+-- dropped.
+--
+-- 1. reconciler.retention_partition_keep_reason(lo, hi, history_before):
 --    NULL when the range may go, else why not. One rule, used by the
 --    archiver to choose and by the drop to refuse.
--- 3. reconciler.retention_drop_history_partition: the only way a history
+-- 2. reconciler.retention_drop_history_partition: the only way a history
 --    partition leaves. SECURITY DEFINER (the tables' owner: only the owner
 --    may detach or drop a partition), EXECUTE for reconciler_retention
 --    only. It locks the partitions, re-checks the rule, refuses unless the
 --    rows it would drop are exactly the rows the caller exported, records
 --    the removal, then detaches and drops them.
--- 4. retention_batches gains the kind 'partition' (range_lo, range_hi), and
+-- 3. retention_batches gains the kind 'partition' (range_lo, range_hi), and
 --    by_batch: a 'history' row a partition drop writes for each receipts
 --    batch whose history it took whole, so the row-by-row path does not
 --    try that batch again.
@@ -39,25 +40,6 @@ ALTER TABLE reconciler.retention_batches
 -- A range leaves once.
 CREATE UNIQUE INDEX retention_batches_partition ON reconciler.retention_batches (range_hi)
     WHERE kind = 'partition';
-
--- The bounds come from the catalog (pg_get_expr of the partition bound:
--- "FOR VALUES FROM ('1000') TO ('2000')", MINVALUE for the first), not from
--- the partitions' names, so a renamed partition is still found.
--- +goose StatementBegin
-CREATE FUNCTION reconciler.history_partition_ranges()
-RETURNS TABLE (parent regclass, part regclass, lo bigint, hi bigint) LANGUAGE sql STABLE
-SET search_path = pg_catalog, pg_temp AS $$
-    SELECT i.inhparent::regclass, i.inhrelid::regclass,
-           (regexp_match(b.bound, 'FROM \(''?(-?[0-9]+)''?\)'))[1]::bigint,
-           (regexp_match(b.bound, 'TO \(''?(-?[0-9]+)''?\)'))[1]::bigint
-    FROM pg_inherits i
-    JOIN pg_class c ON c.oid = i.inhrelid
-    CROSS JOIN LATERAL (SELECT pg_get_expr(c.relpartbound, c.oid) AS bound) b
-    WHERE i.inhparent IN ('reconciler.receipt_events'::regclass, 'reconciler.readback_checks'::regclass,
-                          'reconciler.verdict_audits'::regclass)
-      AND b.bound ~ 'TO \(''?-?[0-9]+''?\)'
-$$;
--- +goose StatementEnd
 
 -- A range [lo, hi) may go when:
 --   * the receipts sequence has passed hi: no receipt drawn from now on
@@ -117,11 +99,10 @@ DECLARE
 BEGIN
     -- (The partitions of a range cannot change once locked: attaching or
     -- detaching one locks it too.)
-    FOR p IN SELECT r.part FROM reconciler.history_partition_ranges() r
-             WHERE r.lo IS NOT DISTINCT FROM retention_drop_history_partition.lo
-               AND r.hi = retention_drop_history_partition.hi
-             ORDER BY r.parent::text LOOP
-        EXECUTE format('LOCK TABLE %s IN ACCESS EXCLUSIVE MODE', p.part);
+    FOR p IN SELECT r.partition FROM reconciler.history_partitions() r
+             WHERE r.from_id IS NOT DISTINCT FROM lo AND r.to_id = hi
+             ORDER BY r.parent LOOP
+        EXECUTE format('LOCK TABLE reconciler.%I IN ACCESS EXCLUSIVE MODE', p.partition);
         parts := parts + 1;
     END LOOP;
     IF parts <> 3 THEN
@@ -133,12 +114,10 @@ BEGIN
         RAISE EXCEPTION 'retention: partition [%, %) is kept: %', coalesce(lo::text, 'MINVALUE'), hi, why
             USING ERRCODE = 'RL020';
     END IF;
-    FOR p IN SELECT r.parent, r.part, c.relname FROM reconciler.history_partition_ranges() r
-             JOIN pg_class c ON c.oid = r.parent
-             WHERE r.lo IS NOT DISTINCT FROM retention_drop_history_partition.lo
-               AND r.hi = retention_drop_history_partition.hi LOOP
-        EXECUTE format('SELECT count(*) FROM %s', p.part) INTO n;
-        counted := counted || jsonb_build_object(p.relname, n);
+    FOR p IN SELECT r.parent, r.partition FROM reconciler.history_partitions() r
+             WHERE r.from_id IS NOT DISTINCT FROM lo AND r.to_id = hi LOOP
+        EXECUTE format('SELECT count(*) FROM reconciler.%I', p.partition) INTO n;
+        counted := counted || jsonb_build_object(p.parent, n);
     END LOOP;
     IF counted IS DISTINCT FROM expected THEN
         RAISE EXCEPTION 'retention: the rows of partition [%, %) % are not the rows exported %',
@@ -165,11 +144,10 @@ BEGIN
                                         WHERE d.kind = 'partition'
                                           AND t.receipt_id >= coalesce(d.range_lo, -9223372036854775808)
                                           AND t.receipt_id < d.range_hi));
-    FOR p IN SELECT r.parent, r.part FROM reconciler.history_partition_ranges() r
-             WHERE r.lo IS NOT DISTINCT FROM retention_drop_history_partition.lo
-               AND r.hi = retention_drop_history_partition.hi LOOP
-        EXECUTE format('ALTER TABLE %s DETACH PARTITION %s', p.parent, p.part);
-        EXECUTE format('DROP TABLE %s', p.part);
+    FOR p IN SELECT r.parent, r.partition FROM reconciler.history_partitions() r
+             WHERE r.from_id IS NOT DISTINCT FROM lo AND r.to_id = hi LOOP
+        EXECUTE format('ALTER TABLE reconciler.%I DETACH PARTITION reconciler.%I', p.parent, p.partition);
+        EXECUTE format('DROP TABLE reconciler.%I', p.partition);
     END LOOP;
     RETURN batch;
 END
@@ -188,8 +166,7 @@ BEGIN
     IF to_regrole('reconciler_retention') IS NOT NULL THEN
         GRANT EXECUTE ON FUNCTION
             reconciler.retention_drop_history_partition(bigint, bigint, timestamptz, text, text, jsonb),
-            reconciler.retention_partition_keep_reason(bigint, bigint, timestamptz),
-            reconciler.history_partition_ranges()
+            reconciler.retention_partition_keep_reason(bigint, bigint, timestamptz)
             TO reconciler_retention;
         EXECUTE format('GRANT SELECT ON SEQUENCE %s TO reconciler_retention',
                        pg_get_serial_sequence('reconciler.receipts', 'id'));
@@ -214,7 +191,6 @@ $$;
 -- +goose StatementEnd
 DROP FUNCTION reconciler.retention_drop_history_partition(bigint, bigint, timestamptz, text, text, jsonb);
 DROP FUNCTION reconciler.retention_partition_keep_reason(bigint, bigint, timestamptz);
-DROP FUNCTION reconciler.history_partition_ranges();
 DROP INDEX reconciler.retention_batches_partition;
 ALTER TABLE reconciler.retention_batches
     DROP CONSTRAINT retention_batches_by_batch_check,

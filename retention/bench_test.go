@@ -37,7 +37,7 @@ func BenchmarkHistoryRemoval(b *testing.B) {
 				ctx := context.Background()
 				db := pgtest.NewPool(b)
 				var top int64
-				if err := db.QueryRow(ctx, `SELECT max(hi) FROM reconciler.history_partition_ranges()`).Scan(&top); err != nil {
+				if err := db.QueryRow(ctx, `SELECT max(to_id) FROM reconciler.history_partitions()`).Scan(&top); err != nil {
 					b.Fatal(err)
 				}
 				conn, err := db.Acquire(ctx)

@@ -32,7 +32,7 @@ func partitionBy(t *testing.T, db *pgxpool.Pool) int64 {
 	t.Helper()
 	ctx := context.Background()
 	var top int64
-	if err := db.QueryRow(ctx, `SELECT max(hi) FROM reconciler.history_partition_ranges()`).Scan(&top); err != nil {
+	if err := db.QueryRow(ctx, `SELECT max(to_id) FROM reconciler.history_partitions()`).Scan(&top); err != nil {
 		t.Fatal(err)
 	}
 	mustExec(t, db, `SELECT setval(pg_get_serial_sequence('reconciler.receipts', 'id'), $1)`, top-1)
@@ -45,8 +45,8 @@ func partitionBy(t *testing.T, db *pgxpool.Pool) int64 {
 // ("min-hi" for the first).
 func ranges(t *testing.T, db *pgxpool.Pool) map[string][]string {
 	t.Helper()
-	rows, err := db.Query(context.Background(), `SELECT c.relname::text, coalesce(r.lo::text, 'min') || '-' || r.hi
-		FROM reconciler.history_partition_ranges() r JOIN pg_class c ON c.oid = r.parent ORDER BY r.hi`)
+	rows, err := db.Query(context.Background(), `SELECT r.parent, coalesce(r.from_id::text, 'min') || '-' || r.to_id
+		FROM reconciler.history_partitions() r WHERE r.to_id IS NOT NULL ORDER BY r.to_id`)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -68,14 +68,14 @@ const (
 
 	// sqlPartitionsDue is every history partition range that may be
 	// dropped (migration 00022), oldest first. The ranges are those of
-	// receipt_events; the drop refuses a range the other tables do not
-	// share. The rule probes the receipts' and removed receipts' primary
+	// receipt_events (the default partition has none); the drop refuses a
+	// range the other tables do not share. The rule probes the receipts' and removed receipts' primary
 	// keys over the range, the cheap conditions first: the ranges ahead and
 	// those still holding a receipt cost one probe each.
-	sqlPartitionsDue = `SELECT r.lo, r.hi FROM reconciler.history_partition_ranges() r
-	WHERE r.parent = 'reconciler.receipt_events'::regclass
-	  AND reconciler.retention_partition_keep_reason(r.lo, r.hi, $1) IS NULL
-	ORDER BY r.hi`
+	sqlPartitionsDue = `SELECT r.from_id, r.to_id FROM reconciler.history_partitions() r
+	WHERE r.parent = 'receipt_events' AND r.to_id IS NOT NULL
+	  AND reconciler.retention_partition_keep_reason(r.from_id, r.to_id, $1) IS NULL
+	ORDER BY r.to_id`
 
 	// sqlExportPartition is every row of a range's partitions ($1 NULL: the
 	// first partition, from MINVALUE), through the parents: the range's

@@ -95,7 +95,7 @@ func TestArchiveDropsAHistoryPartition(t *testing.T) {
 	url := pgtest.NewDatabase(t)
 	db := pgtest.Pool(t, url)
 	var lo int64
-	if err := db.QueryRow(ctx, `SELECT max(hi) FROM reconciler.history_partition_ranges()`).Scan(&lo); err != nil {
+	if err := db.QueryRow(ctx, `SELECT max(to_id) FROM reconciler.history_partitions()`).Scan(&lo); err != nil {
 		t.Fatal(err)
 	}
 	conn, err := db.Acquire(ctx)
