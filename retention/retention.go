@@ -16,6 +16,13 @@
 // refuses the batch unless the rows it deleted are exactly the rows the
 // archive holds. Idempotency keys are never removed: the key of a removed
 // receipt stays taken, so its reuse is refused rather than sent again.
+//
+// History is partitioned by ranges of receipt id (migration 00021): a
+// range whose receipts all left before the history policy, and that the
+// receipts sequence has passed, leaves whole, exported to one file and then
+// dropped by one SECURITY DEFINER call (migration 00022) that re-checks the
+// rule and the rows under the partitions' locks. The history left, that of
+// receipts in ranges a kept receipt pins, goes row by row.
 // See docs/retention.md.
 package retention
 
