@@ -2,6 +2,7 @@ package rolestest
 
 import (
 	"context"
+	"strconv"
 	"testing"
 	"time"
 
@@ -87,5 +88,41 @@ func TestRetentionRole(t *testing.T) {
 	}
 	if len(left) != 1 || left[0] != kept.ID {
 		t.Errorf("receipts left %v, want only %d (outcome_unknown)", left, kept.ID)
+	}
+
+	// A history partition range leaves whole through the role too
+	// (migration 00022): the owner makes ranges of 10 ids, a receipt of the
+	// first is settled and the sequence passes the range.
+	var lo int64
+	if err := e.owner.QueryRow(ctx, `SELECT max(to_id) FROM reconciler.history_partitions()`).Scan(&lo); err != nil {
+		t.Fatal(err)
+	}
+	for _, q := range []string{
+		`SELECT setval(pg_get_serial_sequence('reconciler.receipts', 'id'), ` + strconv.FormatInt(lo-1, 10) + `)`,
+		`UPDATE reconciler.history_partitioning SET width = 10`,
+		`SELECT reconciler.ensure_history_partitions()`,
+	} {
+		if _, err := e.owner.Exec(ctx, q); err != nil {
+			t.Fatalf("%s: %v", q, err)
+		}
+	}
+	if r, err = agent.Plan(ctx, intent("ret:3", "blog-api")); err != nil {
+		t.Fatal(err)
+	} else if r.ID != lo {
+		t.Fatalf("receipt %d, want %d", r.ID, lo)
+	}
+	if _, err = agent.Reject(ctx, r, ledger.Detail{}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := e.owner.Exec(ctx, `SELECT setval(pg_get_serial_sequence('reconciler.receipts', 'id'), `+strconv.FormatInt(lo+10, 10)+`)`); err != nil {
+		t.Fatal(err)
+	}
+	rep, err = retention.New(ret, retention.Dir(t.TempDir()), nil).Run(ctx,
+		retention.Policy{Settled: time.Microsecond, History: time.Microsecond}, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if rep.HistoryPartitions == 0 || rep.Rows["receipt_events"] != 2 {
+		t.Errorf("retention role: %+v, want the range of the rejected receipt dropped with its 2 events", rep)
 	}
 }
