@@ -37,7 +37,8 @@ func partitionBy(t *testing.T, db *pgxpool.Pool) int64 {
 	}
 	mustExec(t, db, `SELECT setval(pg_get_serial_sequence('reconciler.receipts', 'id'), $1)`, top-1)
 	mustExec(t, db, `UPDATE reconciler.history_partitioning SET width = $1`, width)
-	mustExec(t, db, `SELECT reconciler.ensure_history_partitions()`)
+	// (Ranges for the 100 receipts a test writes at most, and more ahead.)
+	mustExec(t, db, `SELECT reconciler.ensure_history_partitions($1)`, top+100)
 	return top
 }
 
@@ -238,7 +239,9 @@ func TestHistoryPartitionLeavesWhole(t *testing.T) {
 
 // A receipt a guarantee keeps pins its range: the range is not dropped,
 // the history of the receipts that left goes row by row, and the kept
-// receipt's history stays complete.
+// receipt's history stays complete. A receipts batch with receipts in a
+// range that leaves whole and in pinned ones: the range's history leaves
+// with it, the rest of the batch's row by row.
 func TestKeptReceiptPinsItsRange(t *testing.T) {
 	ctx := context.Background()
 	db := pgtest.NewPool(t)
@@ -250,7 +253,7 @@ func TestKeptReceiptPinsItsRange(t *testing.T) {
 			detail: `{"evidence": {"reuse_idempotency_key_before": "` + future(day) + `"}}`},
 		{key: "unsettled", state: "outcome_unknown", settled: 400 * day},
 	}
-	var fixture []receipt
+	fixture := olds("whole", width, 400*day)
 	for _, k := range kept {
 		fixture = append(fixture, olds(k.key, width-1, 400*day)...)
 		fixture = append(fixture, k)
@@ -261,14 +264,19 @@ func TestKeptReceiptPinsItsRange(t *testing.T) {
 	for _, k := range kept {
 		keptRows = append(keptRows, rowsOf(t, db, ids[k.key], ids[k.key]+1))
 	}
+	before := rowsOf(t, db, lo, lo+int64(len(kept)+1)*width)
 
-	rep, err := retention.New(db, retention.Dir(t.TempDir()), nil).Run(ctx,
+	dir := t.TempDir()
+	rep, err := retention.New(db, retention.Dir(dir), nil).Run(ctx,
 		retention.Policy{Settled: 90 * day, History: 90 * day, Horizon: time.Hour}, 0)
 	if err != nil {
 		t.Fatal(err)
 	}
+	if hasRange(t, db, lo) {
+		t.Errorf("the range of receipts that all left [%d, %d) is still there", lo, lo+width)
+	}
 	for i, k := range kept {
-		rlo := lo + int64(i)*width
+		rlo := lo + int64(i+1)*width
 		if !hasRange(t, db, rlo) {
 			t.Errorf("%s: its range [%d, %d) was dropped", k.key, rlo, rlo+width)
 		}
@@ -279,8 +287,31 @@ func TestKeptReceiptPinsItsRange(t *testing.T) {
 			t.Errorf("%s: history of its range %v, want only its own, complete: %v", k.key, got, keptRows[i])
 		}
 	}
-	if rep.HistoryBatches == 0 || rep.Rows["receipts"] != int64(len(kept)*(width-1)) {
-		t.Errorf("report %+v: want the %d removable receipts and their history row by row", rep, len(kept)*(width-1))
+	// One receipts batch (5000 receipts) held them all: the range's
+	// history left in its partition's file, the rest in the batch's
+	// history file, each row once.
+	if rep.ReceiptBatches != 1 || rep.HistoryBatches != 1 || rep.Rows["receipts"] != int64(width+len(kept)*(width-1)) {
+		t.Errorf("report %+v: want one receipts batch, its history row by row and the %d removable receipts",
+			rep, width+len(kept)*(width-1))
+	}
+	var files []string
+	for _, f := range rep.Files {
+		if strings.Contains(f, "history-") {
+			files = append(files, f)
+		}
+	}
+	after := rowsOf(t, db, lo, lo+int64(len(kept)+1)*width)
+	archived := archivedRows(t, files...)
+	for _, tbl := range []string{"receipt_events", "readback_checks"} {
+		var gone []string
+		for _, r := range before[tbl] {
+			if !slices.Contains(after[tbl], r) {
+				gone = append(gone, r)
+			}
+		}
+		if !slices.Equal(archived[tbl], gone) {
+			t.Errorf("%s: archived %d rows, removed %d", tbl, len(archived[tbl]), len(gone))
+		}
 	}
 }
 
