@@ -83,12 +83,16 @@ $$;
 -- check: a writer still inside one finishes first and its rows are counted;
 -- none can write after. The row counts are a sequential scan of each
 -- partition under that lock; only the range's partitions are blocked while
--- it runs, the parents only for the detach and drop.
+-- it runs, the parents only for the detach and drop. A lock request waiting
+-- queues every later request of the table behind it (the agents' history
+-- writes, for a parent), so no lock is waited for longer than lock_timeout:
+-- behind a long reader the drop fails (55P03, nothing removed) and the next
+-- pass tries again, rather than stalling the ledger's writes.
 -- +goose StatementBegin
 CREATE FUNCTION reconciler.retention_drop_history_partition(
     lo bigint, hi bigint, history_before timestamptz, archive text, sha256 text, expected jsonb
 ) RETURNS bigint LANGUAGE plpgsql SECURITY DEFINER
-SET search_path = pg_catalog, pg_temp AS $$
+SET search_path = pg_catalog, pg_temp SET lock_timeout = '2s' AS $$
 DECLARE
     p record;
     parts integer := 0;

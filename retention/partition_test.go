@@ -535,3 +535,41 @@ func TestDropPartitionRefuses(t *testing.T) {
 		t.Error("the range was not dropped")
 	}
 }
+
+// A drop does not wait behind a reader of the history for longer than its
+// lock timeout (the writers of the history would queue behind it): the
+// pass fails (55P03), nothing removed, and the next one, the reader gone,
+// drops the range.
+func TestDropGivesWayToAReader(t *testing.T) {
+	ctx := context.Background()
+	db := pgtest.NewPool(t)
+	lo := partitionBy(t, db)
+	insert(t, db, append(olds("old", width, 100*day), receipt{key: "next", state: "succeeded", settled: day}))
+	p := retention.Policy{Settled: 90 * day, History: 365 * day, Horizon: time.Hour}
+	if _, err := retention.New(db, retention.Dir(t.TempDir()), nil).Run(ctx, p, 0); err != nil {
+		t.Fatal(err)
+	}
+	reader, err := db.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer reader.Rollback(ctx)
+	if _, err := reader.Exec(ctx, `SELECT count(*) FROM reconciler.receipt_events`); err != nil {
+		t.Fatal(err)
+	}
+	p.History = 90 * day
+	_, err = retention.New(db, retention.Dir(t.TempDir()), nil).Run(ctx, p, 0)
+	var pe *pgconn.PgError
+	if !errors.As(err, &pe) || pe.Code != "55P03" {
+		t.Fatalf("drop behind a reader: %v, want 55P03 (lock_not_available)", err)
+	}
+	if !hasRange(t, db, lo) {
+		t.Fatal("the range was dropped")
+	}
+	if err := reader.Rollback(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if rep, err := retention.New(db, retention.Dir(t.TempDir()), nil).Run(ctx, p, 0); err != nil || rep.HistoryPartitions == 0 || hasRange(t, db, lo) {
+		t.Errorf("next pass: %+v, %v; want the range dropped", rep, err)
+	}
+}
