@@ -20,7 +20,8 @@ import (
 // check_failures_total and writes_refused_total, so the rules on them had
 // nothing to evaluate until something went wrong). An idle daemon must
 // also fire none of the rules that read a value: no breaker open, no
-// control failing.
+// control failing, history partitions ahead and none holding rows past
+// them.
 func TestIdleDaemonHasEveryAlertedSeries(t *testing.T) {
 	bin := buildBinary(t)
 	dbURL := pgtest.NewDatabase(t)
@@ -54,8 +55,11 @@ adapters:
 		defer resp.Body.Close()
 		b, _ := io.ReadAll(resp.Body)
 		body = string(b)
-		// The backlog gauges are set by the first refresh, at start.
-		return resp.StatusCode == http.StatusOK && strings.Contains(body, "reconciler_backlog{"),
+		// The backlog gauges are set by the first refresh, at start, and
+		// the history partitions' by the keeper's first round.
+		return resp.StatusCode == http.StatusOK && strings.Contains(body, "reconciler_backlog{") &&
+				strings.Contains(body, "\nreconciler_history_partitions_ahead ") &&
+				!strings.Contains(body, "\nreconciler_history_partitions_ahead -1"),
 			fmt.Sprintf("GET /metrics: %d; daemon stderr:\n%s", resp.StatusCode, d.stderr.String())
 	})
 	exp, err := parseExposition(body)
@@ -79,7 +83,10 @@ adapters:
 		case strings.HasPrefix(line, `reconciler_breaker_state{dependency="blog-api",state="closed"}`) && !strings.HasSuffix(line, " 1"),
 			strings.HasPrefix(line, `reconciler_breaker_state{`) && strings.Contains(line, `state="open"`) && !strings.HasSuffix(line, " 0"),
 			strings.HasPrefix(line, `reconciler_adapter_control_ok{`) && !strings.HasSuffix(line, " NaN"),
-			strings.Contains(line, `dependency="mailer"`):
+			strings.Contains(line, `dependency="mailer"`),
+			// The migration left 4 ranges ahead, and no row past them.
+			strings.HasPrefix(line, "reconciler_history_partitions_ahead ") && line != "reconciler_history_partitions_ahead 4",
+			strings.HasPrefix(line, "reconciler_history_default_rows ") && line != "reconciler_history_default_rows 0":
 			t.Errorf("idle daemon exports %q", line)
 		}
 	}

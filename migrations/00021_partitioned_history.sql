@@ -198,11 +198,11 @@ $$;
 -- time: a call that finds another under way returns 0 at once (that one
 -- is the leader of this round) rather than queueing behind its locks.
 -- SECURITY DEFINER, so the reconciler's role creates tables it could not
--- create itself, all owned by the owner. If the default partition holds
--- rows above the highest range (the reconciler was not running), the next
--- range starts above them (a new range may not cover rows the default
--- holds); those rows stay in the default, which the reconciler's metric
--- reports.
+-- create itself, all owned by the owner. The three tables get the same
+-- ranges. If a default partition holds rows above the highest range (the
+-- reconciler was not running), the next range starts above them (a new
+-- range may not cover rows the default holds); those rows stay in the
+-- default, which the reconciler's metric reports.
 -- +goose StatementBegin
 CREATE FUNCTION reconciler.ensure_history_partitions(upto bigint DEFAULT NULL) RETURNS integer
 LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
@@ -225,18 +225,28 @@ BEGIN
     top := greatest(coalesce(pg_sequence_last_value(pg_get_serial_sequence('reconciler.receipts', 'id')::regclass), 0),
                     upto, 0);
     top := (top / w + 1 + n_ahead) * w;
-    FOREACH t IN ARRAY ARRAY['receipt_events', 'readback_checks', 'verdict_audits'] LOOP
-        SELECT max((regexp_match(pg_get_expr(c.relpartbound, c.oid), 'TO \(''?(-?[0-9]+)''?\)'))[1]::bigint)
-        INTO hi
-        FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid
-        WHERE i.inhparent = format('reconciler.%I', t)::regclass;
-        EXECUTE format('SELECT max(d.receipt_id) FROM reconciler.%I d', t || '_default') INTO held;
-        IF held >= hi THEN
-            RAISE WARNING 'reconciler.%: the default partition holds receipt ids up to %, above every range (%): '
-                'the next range starts above them, and they stay in the default', t || '_default', held, hi;
-            hi := (held / w + 1) * w;
-        END IF;
-        WHILE hi < top LOOP
+    -- The three tables share their ranges (a range of receipts leaves
+    -- whole): the next starts above the highest of any, and above any row
+    -- a default partition holds.
+    SELECT max((regexp_match(pg_get_expr(c.relpartbound, c.oid), 'TO \(''?(-?[0-9]+)''?\)'))[1]::bigint)
+    INTO hi
+    FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid
+    WHERE i.inhparent IN ('reconciler.receipt_events'::regclass, 'reconciler.readback_checks'::regclass,
+                          'reconciler.verdict_audits'::regclass);
+    SELECT greatest((SELECT max(d.receipt_id) FROM reconciler.receipt_events_default d),
+                    (SELECT max(d.receipt_id) FROM reconciler.readback_checks_default d),
+                    (SELECT max(d.receipt_id) FROM reconciler.verdict_audits_default d))
+    INTO held;
+    IF held >= hi THEN
+        RAISE WARNING 'reconciler: the history default partitions hold receipt ids up to %, above every range (%): '
+            'the next range starts above them, and they stay in the default partitions', held, hi;
+        hi := (held / w + 1) * w;
+    END IF;
+    -- At most 32 ranges a call: each partition holds locks until the
+    -- commit, and a width far too small for the ids drawn must not exhaust
+    -- the lock table in one call; the next rounds go on from there.
+    WHILE hi < top AND made < 3 * 32 LOOP
+        FOREACH t IN ARRAY ARRAY['receipt_events', 'readback_checks', 'verdict_audits'] LOOP
             part := format('%s_p%s', t, lpad(hi::text, 19, '0'));
             EXECUTE format('CREATE TABLE reconciler.%I PARTITION OF reconciler.%I FOR VALUES FROM (%s) TO (%s)',
                            part, t, hi, hi + w);
@@ -244,8 +254,8 @@ BEGIN
                            'FOR EACH STATEMENT EXECUTE FUNCTION reconciler.refuse_rewrite()',
                            part || '_no_truncate', part);
             made := made + 1;
-            hi := hi + w;
         END LOOP;
+        hi := hi + w;
     END LOOP;
     RETURN made;
 END

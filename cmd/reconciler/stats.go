@@ -77,6 +77,16 @@ func statsCommand() *cli.Command {
 				// window (SPEC §5a): an alarm on each dependency named.
 				{"lifetime_exceeded", exceeded},
 			}
+			// Whether the history partitions are ahead of the receipts
+			// (docs/retention.md, "Partitioned history").
+			parts, err := reconcile.NewPartitionKeeper(db, reconcile.PartitionConfig{}).Status(c.Context)
+			if err != nil {
+				return dbFailure("stats", db, err, readBacklog)
+			}
+			fields = append(fields, []struct {
+				name  string
+				value any
+			}{{"history_partitions_ahead", parts.Ahead}, {"history_default_rows", parts.DefaultRows}}...)
 			// What a commit on this server means (docs/failover.md).
 			d, err := ledger.ReadDurability(c.Context, db)
 			if err != nil {
