@@ -580,7 +580,7 @@ func TestMigrateDownRefusedAfterRemovals(t *testing.T) {
 		t.Fatalf("down past 00020 with removals: %v", err)
 	}
 	if v, err := p.GetDBVersion(ctx); err != nil || v != 20 {
-		t.Errorf("version %d (%v), want 20", v, err)
+		t.Errorf("version %d (%v), want 20 (the steps above it went down; 00020 refused)", v, err)
 	}
 }
 
