@@ -390,3 +390,38 @@ func BenchmarkMigratePartitionsAtAMillion(b *testing.B) {
 		b.StartTimer()
 	}
 }
+
+// The daemon's keeper makes a round at start and one per tick (the
+// injected clock): receipts planned past the ranges ahead get new ranges
+// at the next round, and the gauges follow.
+func TestPartitionKeeperKeepsRangesAhead(t *testing.T) {
+	ctx, cancel := context.WithCancel(context.Background())
+	db := pgtest.Pool(t, pgtest.NewDatabase(t))
+	reg := prometheus.NewRegistry()
+	tick := make(chan time.Time)
+	k := reconcile.NewPartitionKeeper(db, reconcile.PartitionConfig{Tick: tick, Metrics: reconcile.NewPartitionMetrics(reg)})
+	var wg sync.WaitGroup
+	wg.Go(func() { k.Run(ctx) })
+	defer func() { cancel(); wg.Wait() }()
+	ahead := func() float64 { return testkit.Metric(t, reg, "reconciler_history_partitions_ahead", nil) }
+	testkit.WaitFor(t, "the first round", func() bool { return ahead() == 4 })
+
+	// Receipts up to 2,500,000: the ranges above it are 3,000,000 and
+	// 4,000,000 until the next round adds 5,000,000 and 6,000,000.
+	if _, err := db.Exec(ctx, `SELECT setval(pg_get_serial_sequence('reconciler.receipts', 'id'), 2500000, false)`); err != nil {
+		t.Fatal(err)
+	}
+	planAt(t, db, flightIntent("keeper", "late"), nil)
+	st, err := k.Status(ctx)
+	if err != nil || st.Ahead != 2 || st.LastID != 2500000 {
+		t.Fatalf("before the next round: %+v, %v; want 2 ranges ahead of 2,500,000", st, err)
+	}
+	tick <- time.Now()
+	testkit.WaitFor(t, "the round after the tick", func() bool {
+		st, err := k.Status(ctx)
+		return err == nil && len(st.Partitions) == 3*(1+6+1) && ahead() == 4
+	})
+	if st, err := k.Status(ctx); err != nil || st.Ahead != 4 {
+		t.Errorf("after the round: %d ahead, %v; want 4", st.Ahead, err)
+	}
+}
