@@ -6,6 +6,8 @@ import (
 	"strings"
 	"sync"
 	"unicode/utf8"
+
+	"github.com/receiptledger/reconciler/internal/jsonpointer"
 )
 
 // MaxDepth is the deepest nesting of arrays and objects accepted. It is the
@@ -207,21 +209,13 @@ func (p *parser) secretAt(path []pathToken) (string, bool) {
 func pointerCovers(ptr string, path []pathToken) bool {
 	i := 0
 	for ptr != "" {
-		ptr = ptr[1:]
-		tok := ptr
-		if j := strings.IndexByte(ptr, '/'); j >= 0 {
-			tok, ptr = ptr[:j], ptr[j:]
-		} else {
-			ptr = ""
-		}
 		if i >= len(path) {
 			return false
 		}
-		if strings.IndexByte(tok, '~') >= 0 {
-			tok = unescapeToken(tok)
-		}
+		var tok string
+		tok, ptr = jsonpointer.Next(ptr)
 		if t := path[i]; t.index >= 0 {
-			if n, ok := arrayIndex(tok); !ok || n != t.index {
+			if n, ok := jsonpointer.ArrayIndex(tok); !ok || n != t.index {
 				return false
 			}
 		} else if t.name != tok {

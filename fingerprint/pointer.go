@@ -1,27 +1,18 @@
 package fingerprint
 
 import (
+	"errors"
 	"fmt"
-	"strings"
-	"unicode/utf8"
+
+	"github.com/receiptledger/reconciler/internal/jsonpointer"
 )
 
 // validatePointer checks that s is an RFC 6901 JSON pointer without
-// allocating.
+// allocating, in the package's error form.
 func validatePointer(s string) error {
-	if s == "" {
-		return nil
-	}
-	if !utf8.ValidString(s) {
-		return fmt.Errorf("%w: %s is not valid UTF-8", ErrInvalidPointer, quoteForError(s))
-	}
-	if s[0] != '/' {
-		return fmt.Errorf("%w: %s must be empty or start with '/'", ErrInvalidPointer, quoteForError(s))
-	}
-	for j := 0; j < len(s); j++ {
-		if s[j] == '~' && (j+1 >= len(s) || (s[j+1] != '0' && s[j+1] != '1')) {
-			return fmt.Errorf("%w: %s: '~' must be followed by '0' or '1'", ErrInvalidPointer, quoteForError(s))
-		}
+	var se *jsonpointer.SyntaxError
+	if err := jsonpointer.Validate(s); errors.As(err, &se) {
+		return fmt.Errorf("%w: %s: %s", ErrInvalidPointer, quoteForError(s), se.Reason)
 	}
 	return nil
 }
@@ -32,16 +23,8 @@ func validatePointer(s string) error {
 func resolvePointer(root *node, ptr string) *node {
 	n := root
 	for ptr != "" {
-		ptr = ptr[1:] // the '/' before each token
-		tok := ptr
-		if i := strings.IndexByte(ptr, '/'); i >= 0 {
-			tok, ptr = ptr[:i], ptr[i:]
-		} else {
-			ptr = ""
-		}
-		if strings.IndexByte(tok, '~') >= 0 {
-			tok = unescapeToken(tok)
-		}
+		var tok string
+		tok, ptr = jsonpointer.Next(ptr)
 		switch n.kind {
 		case kindObject:
 			var next *node
@@ -56,7 +39,7 @@ func resolvePointer(root *node, ptr string) *node {
 			}
 			n = next
 		case kindArray:
-			i, ok := arrayIndex(tok)
+			i, ok := jsonpointer.ArrayIndex(tok)
 			if !ok || i >= len(n.elems) {
 				return nil
 			}
@@ -66,40 +49,4 @@ func resolvePointer(root *node, ptr string) *node {
 		}
 	}
 	return n
-}
-
-// unescapeToken decodes "~1" as '/' and "~0" as '~' in a reference token
-// whose escapes are valid.
-func unescapeToken(tok string) string {
-	var b strings.Builder
-	b.Grow(len(tok))
-	for j := 0; j < len(tok); j++ {
-		if tok[j] != '~' {
-			b.WriteByte(tok[j])
-			continue
-		}
-		if tok[j+1] == '0' {
-			b.WriteByte('~')
-		} else {
-			b.WriteByte('/')
-		}
-		j++
-	}
-	return b.String()
-}
-
-// arrayIndex parses an RFC 6901 array-index: "0", or digits without a
-// leading zero.
-func arrayIndex(tok string) (int, bool) {
-	if tok == "" || len(tok) > 9 || (len(tok) > 1 && tok[0] == '0') {
-		return 0, false
-	}
-	i := 0
-	for j := 0; j < len(tok); j++ {
-		if !isDigit(tok[j]) {
-			return 0, false
-		}
-		i = i*10 + int(tok[j]-'0')
-	}
-	return i, true
 }

@@ -17,6 +17,8 @@ import (
 	"unicode/utf8"
 
 	"github.com/gowebpki/jcs"
+
+	"github.com/receiptledger/reconciler/internal/jsonpointer"
 )
 
 // refKeyID and refKey are the secret key of the reference tests.
@@ -96,7 +98,7 @@ func refResolve(root *node, tokens []string) *node {
 			}
 			n = next
 		case kindArray:
-			i, ok := arrayIndex(tok)
+			i, ok := jsonpointer.ArrayIndex(tok)
 			if !ok || i >= len(n.elems) {
 				return nil
 			}
@@ -479,18 +481,12 @@ func TestPooledParsersDoNotLeak(t *testing.T) {
 }
 
 // parsePointer splits an RFC 6901 JSON pointer into its unescaped reference
-// tokens, as the reference path does. The empty pointer refers to the whole
-// document and yields no tokens. (Compute validates and resolves pointers
-// without splitting them: validatePointer and resolvePointer.)
+// tokens, in the package's error form, as the reference path does. (Compute
+// validates and resolves pointers without splitting them: validatePointer
+// and resolvePointer.)
 func parsePointer(s string) ([]string, error) {
-	if err := validatePointer(s); err != nil || s == "" {
+	if err := validatePointer(s); err != nil {
 		return nil, err
 	}
-	tokens := strings.Split(s[1:], "/")
-	for i, tok := range tokens {
-		if strings.IndexByte(tok, '~') >= 0 {
-			tokens[i] = unescapeToken(tok)
-		}
-	}
-	return tokens, nil
+	return jsonpointer.Parse(s)
 }

@@ -13,6 +13,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/prometheus/client_golang/prometheus"
 	dto "github.com/prometheus/client_model/go"
@@ -211,6 +212,139 @@ func TestSettlementRefusedAfterLateAnswer(t *testing.T) {
 	}
 	if want := []int64{ids[0], ids[3]}; len(got) != 2 || got[0] != want[0] || got[1] != want[1] {
 		t.Errorf("lifetime_alarms for receipts %v, want %v (the manual_review settlement, the late answer after safe_to_retry)", got, want)
+	}
+	// The late answer voided the absence ids[3] was settled on: it is
+	// back with the reconciler (migration 00023), where the duplicate
+	// guard holds its intent again.
+	var state, reason string
+	if err := db.QueryRow(ctx, `SELECT state, state_detail ->> 'reason' FROM reconciler.receipts WHERE id = $1`,
+		ids[3]).Scan(&state, &reason); err != nil || state != "outcome_unknown" || reason != "late_answer" {
+		t.Errorf("after a late answer past its window, safe_to_retry receipt %d is %s (%s, %v), want outcome_unknown (late_answer)",
+			ids[3], state, reason, err)
+	}
+}
+
+// Migration 00023: a late answer that voids a safe_to_retry (any answer
+// after the window the settlement declared) reopens the receipt only while
+// no retry of it went out; a late answer inside the declared window that is
+// not a success (a straggler the API's native key deduplicates) changes
+// nothing. Either way the outcome is recorded.
+func TestLateAnswerReopensOnlyWhatItVoids(t *testing.T) {
+	ctx := context.Background()
+	db := pgtest.NewPool(t)
+	// Send deadlines a microsecond after submission: a window of 0 s has
+	// closed by the time a late answer is recorded.
+	rows, err := db.Query(ctx, `INSERT INTO reconciler.receipts (idempotency_key, operation, dependency, method,
+		target, fingerprint, intent, state_actor, max_send_delay)
+		SELECT 'late-api:' || g, 'things.create', 'late-api', 'POST', '/things',
+		       'sha256:' || encode(sha256(('late-api:' || g)::bytea), 'hex'), '{}', 'agent:test', interval '1 microsecond'
+		FROM generate_series(1, 3) g RETURNING id`)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ids, err := pgx.CollectRows(rows, pgx.RowTo[int64])
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, to := range []string{"submitted", "outcome_unknown"} {
+		if _, err := db.Exec(ctx, `UPDATE reconciler.receipts SET state = $2, state_actor = 'agent:test' WHERE id = ANY($1)`,
+			ids, to); err != nil {
+			t.Fatal(err)
+		}
+	}
+	for i, c := range []struct {
+		window    int
+		guarantee string
+	}{{0, "request_lifetime_elapsed"}, {3600, "native_idempotency_key"}, {0, "request_lifetime_elapsed"}} {
+		if _, err := db.Exec(ctx, `UPDATE reconciler.receipts SET state = 'reconciling', state_actor = 'reconciler:test'
+			WHERE id = $1`, ids[i]); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := db.Exec(ctx, `UPDATE reconciler.receipts SET state = 'safe_to_retry', state_actor = 'reconciler:test',
+			state_detail = jsonb_build_object('evidence', jsonb_build_object('max_request_lifetime_s', $2::int,
+				'consistency_window_s', 0, 'guarantee', $3::text))
+			WHERE id = $1`, ids[i], c.window, c.guarantee); err != nil {
+			t.Fatal(err)
+		}
+	}
+	// ids[2]'s retry went out already.
+	if _, err := db.Exec(ctx, `INSERT INTO reconciler.receipts (idempotency_key, operation, dependency, method, target,
+		fingerprint, intent, state_actor, retry_of, attempt, state)
+		SELECT idempotency_key || '#2', operation, dependency, method, target, fingerprint, intent, 'agent:test',
+		       id, 2, 'submitted' FROM reconciler.receipts WHERE id = $1`, ids[2]); err != nil {
+		t.Fatal(err)
+	}
+	for _, c := range []struct {
+		id   int64
+		want string
+		why  string
+	}{
+		{ids[0], "outcome_unknown", "a 504 after the declared window"},
+		{ids[1], "safe_to_retry", "a 504 inside the declared window"},
+		{ids[2], "safe_to_retry", "a 504 after the window, but the retry is out"},
+	} {
+		if _, err := db.Exec(ctx, `SELECT reconciler.record_late_outcome($1, 'agent:test', 'outcome_unknown', 504)`, c.id); err != nil {
+			t.Fatalf("%s: %v", c.why, err)
+		}
+		var n int
+		if err := db.QueryRow(ctx, `SELECT count(*) FROM reconciler.late_outcomes WHERE receipt_id = $1`, c.id).Scan(&n); err != nil || n != 1 {
+			t.Errorf("%s: %d late outcomes recorded (%v), want 1", c.why, n, err)
+		}
+		if got := receipt(t, db, c.id).State; got != c.want {
+			t.Errorf("%s: receipt %d is %s, want %s", c.why, c.id, got, c.want)
+		}
+	}
+}
+
+// Migration 00023, end to end: the reconciler proves an absence on the
+// API's native key and settles safe_to_retry; then the original's 201
+// arrives after all and the agent records it. The effect exists: a
+// re-planned duplicate of the intent under a new key is refused
+// (ErrDuplicateIntent carrying the receipt), where before it was sent, and
+// the reconciler settles the receipt succeeded with the late answer's id.
+func TestLateSuccessAfterSafeToRetryBlocksTheDuplicate(t *testing.T) {
+	ctx := context.Background()
+	db := pgtest.NewPool(t)
+	agent, err := ledger.New(db, "agent:late")
+	if err != nil {
+		t.Fatal(err)
+	}
+	in := ledger.Intent{IdempotencyKey: "late:1", Operation: "things.create", Dependency: "fake-api",
+		Method: "POST", Target: "/things", Payload: []byte(`{"n": 1}`), MaxSendDelay: time.Millisecond}
+	r, err := agent.PlanAndSubmit(ctx, in)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if r, err = agent.MarkUnknown(ctx, r, ledger.Detail{Error: &ledger.CallError{Code: "timeout"}}); err != nil {
+		t.Fatal(err)
+	}
+	clk := testkit.NewClock(r.SubmittedAt.Add(500 * time.Millisecond))
+	api := newFakeAPI(t, clk.Now, 0)
+	p := readback.Policy{ConsistencyWindow: 0, MaxRequestLifetime: time.Hour, IdempotencyKeys: true,
+		IdempotencyRetention: 24 * time.Hour, MaxChecks: 50, Deadline: 3 * time.Hour,
+		BackoffBase: 100 * time.Millisecond, BackoffCap: time.Second}
+	pool := newPool(t, db, reconcile.Config{Registry: registry(t, api, p), Now: clk.Now, OrphanTimeout: -1})
+	if _, err := pool.Drain(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if got := receipt(t, db, r.ID).State; got != "safe_to_retry" {
+		t.Fatalf("first settlement: %s, want safe_to_retry (an absence on the native key)", got)
+	}
+	if err := agent.RecordLateOutcome(ctx, r.ID, ledger.OutcomeSucceeded, http.StatusCreated, "thing-late", ledger.Detail{}); err != nil {
+		t.Fatal(err)
+	}
+	again := in
+	again.IdempotencyKey = "late:2"
+	_, err = agent.Plan(ctx, again)
+	var dup *ledger.DuplicateError
+	if !errors.As(err, &dup) || dup.Existing.ID != r.ID {
+		t.Fatalf("re-plan of the intent after its late 201: %v, want ErrDuplicateIntent carrying receipt %d", err, r.ID)
+	}
+	if _, err := pool.Drain(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if got := receipt(t, db, r.ID); got.State != "succeeded" || got.ExternalID != "thing-late" {
+		t.Fatalf("after the late 201 the receipt settled %s (external id %q), want succeeded (thing-late)", got.State, got.ExternalID)
 	}
 }
 

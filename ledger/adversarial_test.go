@@ -260,8 +260,9 @@ func TestRetryPlannedBeforeLateSuccessIsNeverSubmitted(t *testing.T) {
 	} else if !errors.Is(err, ledger.ErrRetryRefused) {
 		t.Fatalf("Submit of the refused retry: %v, want ErrRetryRefused", err)
 	}
-	// Through Do: the step runs again; Do finds R1 safe_to_retry and its
-	// planned retry R2, and sends nothing.
+	// Through Do: the step runs again. The late success reopened R1
+	// (migration 00023: back to outcome_unknown, since its retry had not
+	// gone out), so Do finds it with the reconciler and sends nothing.
 	var calls atomic.Int32
 	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		calls.Add(1)
@@ -273,9 +274,9 @@ func TestRetryPlannedBeforeLateSuccessIsNeverSubmitted(t *testing.T) {
 		t.Fatal(err)
 	}
 	res, err := (&ledger.Caller{Ledger: agent, HTTP: srv.Client()}).Do(ctx, in, req)
-	if !errors.Is(err, ledger.ErrRetryRefused) || calls.Load() != 0 || res == nil || res.Receipt.ID != r2.ID {
-		t.Fatalf("Do of the step again: %v (result %+v, %d calls), want ErrRetryRefused for receipt %d, nothing sent",
-			err, res, calls.Load(), r2.ID)
+	if !errors.Is(err, ledger.ErrOutcomeUnknown) || calls.Load() != 0 || res == nil || res.Receipt.ID != r1.ID {
+		t.Fatalf("Do of the step again: %v (result %+v, %d calls), want ErrOutcomeUnknown for receipt %d, nothing sent",
+			err, res, calls.Load(), r1.ID)
 	}
 	if cur, err := agent.Get(ctx, r2.ID); err != nil || cur.State != statemachine.Planned {
 		t.Fatalf("receipt %d: %v, %v: want it planned", r2.ID, cur, err)
@@ -368,7 +369,14 @@ func testLateAnswerAfterSafeToRetry(t *testing.T, status int, refused bool) {
 		t.Fatalf("the original answered %d after its receipt was settled safe_to_retry (it outlived the window), "+
 			"yet the retry was sent at once (receipt %d): nothing records that the effect may exist", status, res.Receipt.ID)
 	}
-	if !errors.Is(err, ledger.ErrRetryRefused) || calls.Load() != 1 {
-		t.Fatalf("second Do: %v (%d calls), want ErrRetryRefused and nothing sent", err, calls.Load())
+	// A late 201 reopened the receipt (migration 00023): the step run
+	// again finds it with the reconciler; a late 502 without a declared
+	// window left it safe_to_retry, and its retry is refused.
+	want := ledger.ErrRetryRefused
+	if status == 201 {
+		want = ledger.ErrOutcomeUnknown
+	}
+	if !errors.Is(err, want) || calls.Load() != 1 {
+		t.Fatalf("second Do: %v (%d calls), want %v and nothing sent", err, calls.Load(), want)
 	}
 }

@@ -15,6 +15,7 @@ import (
 	"strings"
 	"syscall"
 
+	"github.com/receiptledger/reconciler/internal/jsonpointer"
 	"github.com/receiptledger/reconciler/internal/sanitize"
 )
 
@@ -230,9 +231,9 @@ const maxMessageBytes = 512
 // id; a body that is not JSON, or a target that is neither a string nor a
 // number, is an error.
 func ExternalIDAt(pointer string) (func(body []byte) (string, error), error) {
-	tokens, err := parsePointer(pointer)
+	tokens, err := jsonpointer.Parse(pointer)
 	if err != nil {
-		return nil, err
+		return nil, fmt.Errorf("ledger: %w", err)
 	}
 	return func(body []byte) (string, error) {
 		if len(bytes.TrimSpace(body)) == 0 {
@@ -268,25 +269,6 @@ func defaultExternalID(body []byte) (string, error) {
 	return id, nil
 }
 
-func parsePointer(p string) ([]string, error) {
-	if p == "" {
-		return nil, nil
-	}
-	if !strings.HasPrefix(p, "/") {
-		return nil, fmt.Errorf("ledger: JSON pointer %q does not start with /", p)
-	}
-	parts := strings.Split(p[1:], "/")
-	for i, t := range parts {
-		for j := 0; j < len(t); j++ {
-			if t[j] == '~' && (j+1 == len(t) || (t[j+1] != '0' && t[j+1] != '1')) {
-				return nil, fmt.Errorf("ledger: JSON pointer %q: bad escape in %q", p, t)
-			}
-		}
-		parts[i] = strings.ReplaceAll(strings.ReplaceAll(t, "~1", "/"), "~0", "~")
-	}
-	return parts, nil
-}
-
 // lookup resolves tokens in a valid JSON document.
 func lookup(doc []byte, tokens []string) (json.RawMessage, bool) {
 	cur := json.RawMessage(doc)
@@ -311,8 +293,8 @@ func lookup(doc []byte, tokens []string) (json.RawMessage, bool) {
 			if json.Unmarshal(trimmed, &arr) != nil {
 				return nil, false
 			}
-			i, err := strconv.Atoi(tok)
-			if err != nil || i < 0 || i >= len(arr) || (len(tok) > 1 && tok[0] == '0') {
+			i, ok := jsonpointer.ArrayIndex(tok)
+			if !ok || i >= len(arr) {
 				return nil, false
 			}
 			cur = arr[i]

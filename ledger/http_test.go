@@ -678,6 +678,11 @@ func TestHTTPExternalIDAt(t *testing.T) {
 		{"/id", ``, "", false},
 		{"/data/0/id", `{"data":[{"id":"x"}]}`, "x", false},
 		{"/a~1b/c~0d", `{"a/b":{"c~d":"esc"}}`, "esc", false},
+		// RFC 6901 array indexes are plain digits: "+1" and "-0" name
+		// nothing (strconv.Atoi would read them as 1 and 0).
+		{"/data/+1/id", `{"data":[{"id":"x"},{"id":"y"}]}`, "", false},
+		{"/data/-0/id", `{"data":[{"id":"x"}]}`, "", false},
+		{"/data/01/id", `{"data":[{"id":"x"},{"id":"y"}]}`, "", false},
 		{"/id", `{"id":{"nested":1}}`, "", true},
 		{"/id", `{"id":"trunc`, "", true},
 		{"/id", `not json`, "", true},

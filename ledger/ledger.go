@@ -801,9 +801,14 @@ func (c *Client) MarkUnknown(ctx context.Context, r *Receipt, d Detail) (*Receip
 // receipt is in outcome_unknown, reconciling or manual_review, so the
 // agent may no longer settle it, but the 2xx and its external id must not
 // be lost. The reconciler settles a receipt with a late succeeded outcome
-// as succeeded with that external id. Only the actor that submitted the
-// receipt may record one; otherwise, or in any other state, the database
-// refuses with ErrStateConflict. Late outcomes are append-only.
+// as succeeded with that external id. A receipt already settled
+// safe_to_retry may get one too: a success, or an unknown answer after the
+// window its settlement declared, sends it back to outcome_unknown (unless
+// a retry of it went out), so the duplicate guard holds its intent again
+// and the reconciler settles it anew (docs/rules-of-time.md). Only the
+// actor that submitted the receipt may record one; otherwise, or in any
+// other state, the database refuses with ErrStateConflict. Late outcomes
+// are append-only.
 func (c *Client) RecordLateOutcome(ctx context.Context, id int64, outcome Outcome, httpStatus int, externalID string, d Detail) error {
 	if !outcome.Valid() {
 		return fmt.Errorf("ledger: late outcome of receipt %d: %w: outcome %q", id, ErrInvalidIntent, outcome)

@@ -64,7 +64,9 @@ func (c *Caller) recordLate(ctx context.Context, sub *Receipt, now statemachine.
 		}
 		return fmt.Sprintf("the reconciler had settled the receipt safe_to_retry (absence proven), yet the original request was still alive "+
 			"and received %s (%s): its effect exists or may exist. Recorded as a late outcome, it makes the database refuse "+
-			"every retry of the receipt: no retry will be sent, a human must look. The dependency's declared send deadline, "+
+			"every retry of the receipt: no retry will be sent. Where it voids the settlement (a success, or an answer after "+
+			"the declared window) and no retry went out, the receipt is back with the reconciler (outcome_unknown) to be "+
+			"settled anew; otherwise a human must look. The dependency's declared send deadline, "+
 			"request lifetime or consistency window is too short", what, observed)
 	}
 	return fmt.Sprintf("the receipt was moved to %s before the response arrived; the observed outcome (%s) is recorded as a late outcome and the reconciler will settle the receipt from it",

@@ -3,8 +3,8 @@ package httpadapter
 import (
 	"errors"
 	"fmt"
-	"strconv"
-	"strings"
+
+	"github.com/receiptledger/reconciler/internal/jsonpointer"
 )
 
 // pointer is a parsed RFC 6901 JSON pointer; the empty pointer is the
@@ -17,21 +17,9 @@ type pointer struct {
 // parsePointer validates p at load time so a typo in a pointer fails at
 // start, not on every check.
 func parsePointer(p string) (pointer, error) {
-	if p == "" {
-		return pointer{}, nil
-	}
-	if !strings.HasPrefix(p, "/") {
-		return pointer{}, fmt.Errorf("JSON pointer %q must be empty or start with /", p)
-	}
-	raw := strings.Split(p[1:], "/")
-	toks := make([]string, len(raw))
-	for i, t := range raw {
-		for j := 0; j < len(t); j++ {
-			if t[j] == '~' && (j+1 == len(t) || (t[j+1] != '0' && t[j+1] != '1')) {
-				return pointer{}, fmt.Errorf("JSON pointer %q: ~ must be followed by 0 or 1", p)
-			}
-		}
-		toks[i] = strings.NewReplacer("~1", "/", "~0", "~").Replace(t)
+	toks, err := jsonpointer.Parse(p)
+	if err != nil {
+		return pointer{}, err
 	}
 	return pointer{text: p, tokens: toks}, nil
 }
@@ -40,28 +28,7 @@ func parsePointer(p string) (pointer, error) {
 func (p pointer) String() string { return p.text }
 
 // get resolves p in a document decoded with UseNumber.
-func (p pointer) get(doc any) (any, bool) {
-	cur := doc
-	for _, t := range p.tokens {
-		switch c := cur.(type) {
-		case map[string]any:
-			v, ok := c[t]
-			if !ok {
-				return nil, false
-			}
-			cur = v
-		case []any:
-			i, err := strconv.Atoi(t)
-			if err != nil || i < 0 || i >= len(c) || (len(t) > 1 && t[0] == '0') {
-				return nil, false
-			}
-			cur = c[i]
-		default:
-			return nil, false
-		}
-	}
-	return cur, true
-}
+func (p pointer) get(doc any) (any, bool) { return jsonpointer.Get(doc, p.tokens) }
 
 // lookup resolves the pointer text ptr in doc; a malformed pointer (which
 // load-time validation rules out) finds nothing.
