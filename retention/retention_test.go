@@ -574,7 +574,6 @@ func TestMigrateDownRefusedAfterRemovals(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	// (The migrations after 00020 go down; 00020 itself is refused.)
 	_, err = p.DownTo(ctx, 19)
 	if err == nil || !strings.Contains(err.Error(), "retention_batches records removed receipts") {
 		t.Fatalf("down past 00020 with removals: %v", err)
