@@ -2,7 +2,6 @@ package main
 
 import (
 	"context"
-	"encoding/json"
 	"fmt"
 	"io"
 	"os"
@@ -13,11 +12,8 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/urfave/cli/v2"
 
-	"github.com/receiptledger/reconciler/ledger"
 	"github.com/receiptledger/reconciler/readback"
-	"github.com/receiptledger/reconciler/reconcile"
 	"github.com/receiptledger/reconciler/retention"
-	"github.com/receiptledger/reconciler/review"
 )
 
 func benchScaleCommand() *cli.Command {
@@ -41,6 +37,12 @@ func benchScaleCommand() *cli.Command {
 			&cli.IntFlag{Name: "retention-batches", Usage: "bound the retention pass to this many receipts batches " +
 				"(0: a whole pass); a bounded pass measures the removal's rate on the oldest receipts only: no VACUUM FULL, " +
 				"no after phase"},
+			&cli.IntFlag{Name: "in-flight", Usage: "receipts in flight, the newest ones (0: 2% of --receipts); " +
+				"the work in flight depends on the rate of calls, not on the ledger's age, so to see what the size of the " +
+				"history alone costs, compare sizes with the same in-flight count"},
+			&cli.IntFlag{Name: "compare", Usage: "also fill a second database of this many receipts on the same server " +
+				"(with the same in-flight count) and measure the two interleaved, sample by sample, so that the " +
+				"machine's load weighs on both alike; prints each size's figures and their ratios (no retention pass)"},
 			&cli.BoolFlag{Name: "keep", Usage: "keep the benchmark database (its name is printed; not with a throwaway cluster)"},
 		},
 		Action: benchScale,
@@ -48,11 +50,11 @@ func benchScaleCommand() *cli.Command {
 }
 
 // The bench's mix, per receipt id g of n spread over a year, oldest first
-// (ids in creation order, as in a real ledger). The newest 2% (the last
-// 7.3 days) are the work in flight: per 100, 50 outcome_unknown (due), 2
+// (ids in creation order, as in a real ledger). The newest @n - @settled
+// (--in-flight; by default 2%, the last 7.3 days) are the work in flight: per 100, 50 outcome_unknown (due), 2
 // reconciling, 13 submitted (all older than the orphan cut-off but the
 // last), 7 planned, the rest succeeded (a backlog far above a healthy
-// one's, so that every phase has due receipts to claim). The older 98% are settled: per
+// one's, so that every phase has due receipts to claim). The older ones are settled: per
 // 1,000, 2 manual_review, 5 safe_to_retry never retried (open chains), 20
 // rejected, the rest succeeded, one in ten of those through the
 // reconciler (five events and a readback check, else three events). One
@@ -60,7 +62,7 @@ func benchScaleCommand() *cli.Command {
 // reconciler). One receipt in 10,000 has a duplicate alarm.
 const sqlScaleFill = `WITH r AS (
 	SELECT g, now() - (@n - g) * (interval '365 days' / @n) AS created,
-	       CASE WHEN g > @n * 98 / 100 THEN
+	       CASE WHEN g > @settled THEN
 	                CASE WHEN g % 100 < 50 THEN 'outcome_unknown' WHEN g % 100 < 52 THEN 'reconciling'
 	                     WHEN g % 100 < 65 THEN 'submitted' WHEN g % 100 < 72 THEN 'planned' ELSE 'succeeded' END
 	            ELSE
@@ -72,12 +74,12 @@ const sqlScaleFill = `WITH r AS (
 INSERT INTO reconciler.receipts (idempotency_key, operation, dependency, method, target, fingerprint, intent,
     state, state_actor, state_detail, created_at, submitted_at, updated_at, unknown_since, next_check_at,
     lease_owner, lease_expires_at, version, check_count, guarded)
-SELECT 'scale:' || g, CASE WHEN g % 100 = 0 AND g <= @n * 98 / 100 THEN 'things.delete' ELSE 'things.create' END,
-       'dep-' || (g % 20), CASE WHEN g % 100 = 0 AND g <= @n * 98 / 100 THEN 'DELETE' ELSE 'POST' END, '/things', 'sha256:' || md5(g::text) || md5(g::text || 'x'),
+SELECT 'scale:' || g, CASE WHEN g % 100 = 0 AND g <= @settled THEN 'things.delete' ELSE 'things.create' END,
+       'dep-' || (g % 20), CASE WHEN g % 100 = 0 AND g <= @settled THEN 'DELETE' ELSE 'POST' END, '/things', 'sha256:' || md5(g::text) || md5(g::text || 'x'),
        jsonb_build_object('name', 'thing ' || g),
        state, CASE WHEN state IN ('reconciling', 'manual_review', 'safe_to_retry') OR g % 10 = 0 AND state = 'succeeded'
                    THEN 'reconciler:scale' ELSE 'agent:scale' END,
-       CASE WHEN state = 'safe_to_retry' OR g % 10 = 0 AND state = 'succeeded' AND g <= @n * 98 / 100
+       CASE WHEN state = 'safe_to_retry' OR g % 10 = 0 AND state = 'succeeded' AND g <= @settled
             THEN jsonb_build_object('evidence', jsonb_build_object('absence_safe_at', created + interval '2 minutes'))
             ELSE '{}' END,
        created, CASE WHEN state <> 'planned' THEN created + interval '100 ms' END,
@@ -183,7 +185,20 @@ func benchScale(c *cli.Context) error {
 	if err := p.Validate(); err != nil {
 		return cli.Exit(fmt.Sprintf("bench scale: %v", err), 2)
 	}
+	inflight := c.Int("in-flight")
+	if inflight == 0 {
+		inflight = n / 50
+	}
+	if inflight < 1 || inflight > n {
+		return cli.Exit("bench scale: --in-flight must be between 1 and --receipts", 2)
+	}
 	ctx := c.Context
+	if m := c.Int("compare"); m != 0 {
+		if m < inflight {
+			return cli.Exit("bench scale: --compare must be at least the in-flight count", 2)
+		}
+		return benchScaleCompare(c, []int{n, m}, inflight)
+	}
 	bdb, err := openBenchDB(ctx, c.App.ErrWriter, c.String("database-url"), c.Bool("keep"))
 	if err != nil {
 		return cli.Exit(fmt.Sprintf("bench scale: %v", err), 1)
@@ -197,7 +212,7 @@ func benchScale(c *cli.Context) error {
 	w := c.App.Writer
 	fmt.Fprintf(w, "receipts=%d\n", n)
 	start := time.Now()
-	if err := scaleFill(ctx, db, n); err != nil {
+	if err := scaleFill(ctx, db, n, inflight); err != nil {
 		return cli.Exit(fmt.Sprintf("bench scale: fill: %v", err), 1)
 	}
 	fmt.Fprintf(w, "fill_s=%.1f\n", time.Since(start).Seconds())
@@ -271,7 +286,7 @@ func benchScale(c *cli.Context) error {
 // the history partitions for ids up to n created, as the reconciler's
 // partition maintenance would have, so that no row lands in a default
 // partition.
-func scaleFill(ctx context.Context, db *pgxpool.Pool, n int) error {
+func scaleFill(ctx context.Context, db *pgxpool.Pool, n, inflight int) error {
 	conn, err := db.Acquire(ctx)
 	if err != nil {
 		return err
@@ -293,7 +308,7 @@ func scaleFill(ctx context.Context, db *pgxpool.Pool, n int) error {
 	defer conn.Exec(context.Background(), `RESET session_replication_role`)
 	const chunk = 200_000
 	for lo := 1; lo <= n; lo += chunk {
-		args := pgx.NamedArgs{"n": n, "lo": lo, "hi": min(lo+chunk-1, n)}
+		args := pgx.NamedArgs{"n": n, "settled": n - inflight, "lo": lo, "hi": min(lo+chunk-1, n)}
 		if _, err := conn.Exec(ctx, sqlScaleFill, args); err != nil {
 			return err
 		}
@@ -317,6 +332,35 @@ func scaleFill(ctx context.Context, db *pgxpool.Pool, n int) error {
 // scaleMeasure prints the sizes and latencies of one phase, each name
 // prefixed with it.
 func scaleMeasure(ctx context.Context, w io.Writer, db *pgxpool.Pool, phase string, n, samples int) error {
+	if err := scaleSizes(ctx, w, db, phase, n); err != nil {
+		return err
+	}
+	pr, err := newScaleProbe(db, phase)
+	if err != nil {
+		return err
+	}
+	for range samples {
+		if err := pr.claim(ctx); err != nil {
+			return err
+		}
+	}
+	for i := range samples {
+		if err := pr.plan(ctx, i); err != nil {
+			return err
+		}
+	}
+	for range samples {
+		if err := pr.list(ctx); err != nil {
+			return err
+		}
+	}
+	pr.print(w, phase)
+	return pr.sweep(ctx, w, phase)
+}
+
+// scaleSizes prints the receipts live and each table's size per million
+// receipts written (n), with its indexes and partitions.
+func scaleSizes(ctx context.Context, w io.Writer, db *pgxpool.Pool, phase string, n int) error {
 	var live int64
 	if err := db.QueryRow(ctx, `SELECT count(*) FROM reconciler.receipts`).Scan(&live); err != nil {
 		return err
@@ -342,66 +386,7 @@ func scaleMeasure(ctx context.Context, w io.Writer, db *pgxpool.Pool, phase stri
 		return err
 	}
 	fmt.Fprintf(w, "%s_total_mb_per_million=%.1f\n", phase, perMillion(total))
-	if err := scaleDefaultRows(ctx, w, db, phase); err != nil {
-		return err
-	}
-
-	store, err := reconcile.NewStore(db, "scale-"+phase)
-	if err != nil {
-		return err
-	}
-	claims := make([]time.Duration, 0, samples)
-	for range samples {
-		t0 := time.Now()
-		got, err := store.Claim(ctx, time.Now(), 32, time.Hour)
-		if err != nil {
-			return fmt.Errorf("claim: %w", err)
-		}
-		if len(got) != 32 {
-			return fmt.Errorf("claim: %d rows, want 32 (too few due receipts: raise --receipts)", len(got))
-		}
-		claims = append(claims, time.Since(t0))
-	}
-	printPercentiles(w, phase+"_claim32", claims)
-
-	agent, err := ledger.New(db, "agent:scale")
-	if err != nil {
-		return err
-	}
-	plans := make([]time.Duration, 0, samples)
-	for i := range samples {
-		payload, _ := json.Marshal(map[string]any{"phase": phase, "i": i})
-		in := ledger.Intent{IdempotencyKey: fmt.Sprintf("scale-plan:%s:%d", phase, i), Operation: "things.create",
-			Dependency: fmt.Sprintf("dep-%d", i%20), Method: "POST", Target: "/things", Payload: payload}
-		t0 := time.Now()
-		if _, err := agent.Plan(ctx, in); err != nil {
-			return fmt.Errorf("plan: %w", err)
-		}
-		plans = append(plans, time.Since(t0))
-	}
-	printPercentiles(w, phase+"_plan", plans)
-
-	t0 := time.Now()
-	orphans, err := store.SweepOrphans(ctx, time.Now(), 5*time.Minute, 512, 0)
-	if err != nil {
-		return fmt.Errorf("sweep: %w", err)
-	}
-	fmt.Fprintf(w, "%s_sweep512_ms=%.1f (%d orphans)\n", phase, ms(time.Since(t0)), len(orphans))
-
-	lists := make([]time.Duration, 0, samples)
-	for range samples {
-		t0 := time.Now()
-		held, err := review.List(ctx, db, review.Filter{Limit: 50})
-		if err != nil {
-			return fmt.Errorf("review list: %w", err)
-		}
-		if len(held) != 50 {
-			return fmt.Errorf("review list: %d held, want 50", len(held))
-		}
-		lists = append(lists, time.Since(t0))
-	}
-	printPercentiles(w, phase+"_review_list50", lists)
-	return nil
+	return scaleDefaultRows(ctx, w, db, phase)
 }
 
 // scaleDefaultRows prints the rows held in default partitions (nothing
@@ -433,9 +418,13 @@ func scaleDefaultRows(ctx context.Context, w io.Writer, db *pgxpool.Pool, phase 
 }
 
 func printPercentiles(w io.Writer, name string, ds []time.Duration) {
+	fmt.Fprintf(w, "%s_p50_ms=%.2f\n%s_p99_ms=%.2f\n", name, ms(quantile(ds, 0.50)), name, ms(quantile(ds, 0.99)))
+}
+
+// quantile returns the q-quantile of ds (sorting ds).
+func quantile(ds []time.Duration, q float64) time.Duration {
 	slices.Sort(ds)
-	at := func(q float64) time.Duration { return ds[min(len(ds)-1, int(q*float64(len(ds))))] }
-	fmt.Fprintf(w, "%s_p50_ms=%.2f\n%s_p99_ms=%.2f\n", name, ms(at(0.50)), name, ms(at(0.99)))
+	return ds[min(len(ds)-1, int(q*float64(len(ds))))]
 }
 
 func ms(d time.Duration) float64 { return float64(d.Microseconds()) / 1000 }

@@ -82,3 +82,39 @@ func TestBenchScale(t *testing.T) {
 		})
 	}
 }
+
+// bench scale --compare fills two sizes with the same receipts in flight
+// and prints each one's figures and their ratios, with no retention pass.
+func TestBenchScaleCompare(t *testing.T) {
+	code, out, errOut := runCLI(t, "", "bench", "scale", "--receipts", "40000", "--compare", "60000",
+		"--in-flight", "4000", "--samples", "3", "--database-url", pgtest.AdminURL(t))
+	if code != 0 {
+		t.Fatalf("exit %d: %s", code, errOut)
+	}
+	kv := parseScaleLines(t, out)
+	for _, n := range []string{"n40000", "n60000"} {
+		if kv[n+"_receipts_live"] != strings.TrimPrefix(n, "n") {
+			t.Errorf("%s_receipts_live=%q in:\n%s", n, kv[n+"_receipts_live"], out)
+		}
+		if rows, ok := kv[n+"_default_partition_rows"]; ok && rows != "0" {
+			t.Errorf("%s: %s rows in default partitions, want 0", n, rows)
+		}
+	}
+	// Each size has its sweep figure.
+	if a, b := kv["n40000_sweep512_ms"], kv["n60000_sweep512_ms"]; a == "" || b == "" {
+		t.Errorf("no sweep figures in:\n%s", out)
+	}
+	for _, m := range []string{"claim32", "plan", "review_list50"} {
+		for _, q := range []string{"p50", "p99"} {
+			k := "ratio_" + m + "_n60000_over_n40000_" + q
+			if f, err := strconv.ParseFloat(kv[k], 64); err != nil || f <= 0 {
+				t.Errorf("%s=%q, want a positive ratio, in:\n%s", k, kv[k], out)
+			}
+		}
+	}
+	for k := range kv {
+		if strings.HasPrefix(k, "retention_") || strings.HasPrefix(k, "after_") {
+			t.Errorf("%s printed by --compare", k)
+		}
+	}
+}
