@@ -22,6 +22,31 @@
 
 -- +goose Up
 
+-- The locks the renames below take, taken first and together. Writers
+-- lock receipts, readback_checks and verdict_audits in their own orders
+-- and receipt_events last (the history trigger): taken one by one here,
+-- a settlement holding readback_checks and waiting for receipt_events
+-- deadlocked with this migration. So: wait for receipts (holding nothing
+-- else, and queueing new writers behind), then take the other three only
+-- if they are free at once; if not, let go of everything and try again.
+-- +goose StatementBegin
+DO $$
+BEGIN
+    LOOP
+        BEGIN
+            LOCK TABLE reconciler.receipts IN ACCESS EXCLUSIVE MODE;
+            LOCK TABLE reconciler.readback_checks, reconciler.verdict_audits, reconciler.receipt_events
+                IN ACCESS EXCLUSIVE MODE NOWAIT;
+            EXIT;
+        EXCEPTION WHEN lock_not_available THEN
+            -- (The block's rollback released the lock on receipts.)
+            PERFORM pg_sleep(0.01);
+        END;
+    END LOOP;
+END
+$$;
+-- +goose StatementEnd
+
 -- How the history is partitioned: one row, changed by the owner only (no
 -- runtime role is granted it). width: receipt ids per partition (a million
 -- is about ten days at 100,000 receipts a day); ahead: partitions kept
@@ -368,6 +393,31 @@ $$;
 -- +goose Down
 -- Each table back to a plain table holding every row, in key order, with
 -- the indexes, triggers, identity and grants it had at 00020.
+-- The locks the drops below take, taken first and together (as in Up). Writers
+-- lock receipts, readback_checks and verdict_audits in their own orders
+-- and receipt_events last (the history trigger): taken one by one here,
+-- a settlement holding readback_checks and waiting for receipt_events
+-- deadlocked with the migration. So: wait for receipts (holding nothing
+-- else, and queueing new writers behind), then take the other three only
+-- if they are free at once; if not, let go of everything and try again.
+-- +goose StatementBegin
+DO $$
+BEGIN
+    LOOP
+        BEGIN
+            LOCK TABLE reconciler.receipts IN ACCESS EXCLUSIVE MODE;
+            LOCK TABLE reconciler.readback_checks, reconciler.verdict_audits, reconciler.receipt_events
+                IN ACCESS EXCLUSIVE MODE NOWAIT;
+            EXIT;
+        EXCEPTION WHEN lock_not_available THEN
+            -- (The block's rollback released the lock on receipts.)
+            PERFORM pg_sleep(0.01);
+        END;
+    END LOOP;
+END
+$$;
+-- +goose StatementEnd
+
 -- +goose StatementBegin
 CREATE OR REPLACE FUNCTION reconciler.refuse_rewrite() RETURNS trigger LANGUAGE plpgsql AS $$
 DECLARE
