@@ -313,5 +313,16 @@ GRANT SELECT ON reconciler.receipts, reconciler.receipt_events, reconciler.readb
                 reconciler.audit_queue, reconciler.verdict_audits, reconciler.window_alarms,
                 reconciler.retention_batches, reconciler.removed_receipts
     TO reconciler_retention;
+-- A whole history partition (migration 00022): it chooses the ranges with
+-- retention_partition_keep_reason (which reads the receipts sequence's
+-- last value: SELECT on a sequence draws no id) and drops only through
+-- retention_drop_history_partition (SECURITY DEFINER: only the owner may
+-- detach or drop a partition), which re-checks the rule and the rows under
+-- the partitions' locks.
+GRANT EXECUTE ON FUNCTION
+    reconciler.retention_partition_keep_reason(bigint, bigint, timestamptz),
+    reconciler.retention_drop_history_partition(bigint, bigint, timestamptz, text, text, jsonb)
+    TO reconciler_retention;
+GRANT SELECT ON SEQUENCE reconciler.receipts_id_seq TO reconciler_retention;
 
 COMMIT;

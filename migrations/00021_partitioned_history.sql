@@ -21,6 +21,15 @@
 -- every range lands in <table>_default rather than being refused.
 
 -- +goose Up
+-- Every lock the migration needs, first and in the writers' order: a
+-- writer takes receipts before the history its triggers write (a plan,
+-- a claim, a settlement), so with receipts taken first no writer can hold
+-- a history table the migration waits for while it waits for receipts
+-- (taken one by one below, the renames deadlocked with a settlement that
+-- held readback_checks and wanted receipt_events). Writers wait for the
+-- migration's commit and then write through the partitioned parents.
+LOCK TABLE reconciler.receipts, reconciler.receipt_events, reconciler.readback_checks,
+    reconciler.verdict_audits IN ACCESS EXCLUSIVE MODE;
 
 -- The locks the renames below take, taken first and together. Writers
 -- lock receipts, readback_checks and verdict_audits in their own orders

@@ -16,6 +16,13 @@
 // refuses the batch unless the rows it deleted are exactly the rows the
 // archive holds. Idempotency keys are never removed: the key of a removed
 // receipt stays taken, so its reuse is refused rather than sent again.
+//
+// History is partitioned by ranges of receipt id (migration 00021): a
+// range whose receipts all left before the history policy, and that the
+// receipts sequence has passed, leaves whole, exported to one file and then
+// dropped by one SECURITY DEFINER call (migration 00022) that re-checks the
+// rule and the rows under the partitions' locks. The history left, that of
+// receipts in ranges a kept receipt pins, goes row by row.
 // See docs/retention.md.
 package retention
 
@@ -77,6 +84,8 @@ func (p Policy) Validate() error {
 type Report struct {
 	// ReceiptBatches and HistoryBatches count the batches removed.
 	ReceiptBatches, HistoryBatches int
+	// HistoryPartitions counts the history partition ranges dropped whole.
+	HistoryPartitions int
 	// Rows counts the rows removed per table.
 	Rows map[string]int64
 	// Files are the archives written, in order.
@@ -100,8 +109,10 @@ func New(db *pgxpool.Pool, sink Sink, log *slog.Logger) *Archiver {
 }
 
 // Run makes one pass: it removes, in batches, every receipt chain p lets
-// go (each batch exported first), then the history of every removed batch
-// past p.History. maxBatches bounds the receipts batches of the pass (0:
+// go (each batch exported first), then, oldest first, every history
+// partition range nothing in which is needed any more (see
+// removePartitions), then row by row the history left of every removed
+// batch past p.History. maxBatches bounds the receipts batches of the pass (0:
 // no bound). An export that fails stops the pass with its error, nothing of
 // that batch removed; a batch the database refuses (a receipt changed
 // since it was chosen: RL020) stops it too.
@@ -135,6 +146,9 @@ func (a *Archiver) Run(ctx context.Context, p Policy, maxBatches int) (Report, e
 			return rep, err
 		}
 		after = next
+	}
+	if err := a.removePartitions(ctx, now.Add(-p.History), &rep); err != nil {
+		return rep, err
 	}
 	for {
 		done, err := a.removeHistory(ctx, now.Add(-p.History), &rep)
@@ -263,16 +277,16 @@ func (a *Archiver) removeHistory(ctx context.Context, cutoff time.Time, rep *Rep
 	return true, nil
 }
 
-// export writes the rows query returns for arg as the archive name and
+// export writes the rows query returns for args as the archive name and
 // counts them per table (every table of tables counted, zero included: the
 // removal compares the two maps).
-func (a *Archiver) export(ctx context.Context, name string, tables []string, query string, arg any) (map[string]int64, string, string, error) {
+func (a *Archiver) export(ctx context.Context, name string, tables []string, query string, args ...any) (map[string]int64, string, string, error) {
 	counts := make(map[string]int64, len(tables))
 	for _, t := range tables {
 		counts[t] = 0
 	}
 	loc, sum, err := a.sink.Write(ctx, name, func(w io.Writer) error {
-		rows, err := a.db.Query(ctx, query, arg)
+		rows, err := a.db.Query(ctx, query, args...)
 		if err != nil {
 			return err
 		}

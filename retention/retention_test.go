@@ -48,7 +48,7 @@ type receipt struct {
 }
 
 // insert writes rs into db and returns their ids by key.
-func insert(t *testing.T, db *pgxpool.Pool, rs []receipt) map[string]int64 {
+func insert(t testing.TB, db *pgxpool.Pool, rs []receipt) map[string]int64 {
 	t.Helper()
 	ctx := context.Background()
 	conn, err := db.Acquire(ctx)
@@ -139,7 +139,7 @@ func insert(t *testing.T, db *pgxpool.Pool, rs []receipt) map[string]int64 {
 	return ids
 }
 
-func mustExec(t *testing.T, conn interface {
+func mustExec(t testing.TB, conn interface {
 	Exec(context.Context, string, ...any) (pgconn.CommandTag, error)
 }, sql string, args ...any) {
 	t.Helper()

@@ -65,6 +65,31 @@ const (
 
 	// sqlRemoveHistory removes a batch's history.
 	sqlRemoveHistory = `SELECT reconciler.retention_remove_history($1, $2, $3, $4)`
+
+	// sqlPartitionsDue is every history partition range that may be
+	// dropped (migration 00022), oldest first. The ranges are those of
+	// receipt_events (the default partition has none); the drop refuses a
+	// range the other tables do not share. The rule probes the receipts' and removed receipts' primary
+	// keys over the range, the cheap conditions first: the ranges ahead and
+	// those still holding a receipt cost one probe each.
+	sqlPartitionsDue = `SELECT r.from_id, r.to_id FROM reconciler.history_partitions() r
+	WHERE r.parent = 'receipt_events' AND r.to_id IS NOT NULL
+	  AND reconciler.retention_partition_keep_reason(r.from_id, r.to_id, $1) IS NULL
+	ORDER BY r.to_id`
+
+	// sqlExportPartition is every row of a range's partitions ($1 NULL: the
+	// first partition, from MINVALUE), through the parents: the range's
+	// condition prunes each scan to the one partition.
+	sqlExportPartition = `SELECT 'receipt_events', to_jsonb(e) FROM reconciler.receipt_events e
+		WHERE e.receipt_id >= coalesce($1, -9223372036854775808) AND e.receipt_id < $2
+	UNION ALL SELECT 'readback_checks', to_jsonb(c) FROM reconciler.readback_checks c
+		WHERE c.receipt_id >= coalesce($1, -9223372036854775808) AND c.receipt_id < $2
+	UNION ALL SELECT 'verdict_audits', to_jsonb(v) FROM reconciler.verdict_audits v
+		WHERE v.receipt_id >= coalesce($1, -9223372036854775808) AND v.receipt_id < $2`
+
+	// sqlDropPartition drops a range's partitions, re-checking the rule and
+	// the rows under their locks.
+	sqlDropPartition = `SELECT reconciler.retention_drop_history_partition(@lo, @hi, @history_before, @archive, @sha256, @expected)`
 )
 
 // receiptTables and historyTables are the tables each kind of batch

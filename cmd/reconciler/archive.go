@@ -26,13 +26,15 @@ func archiveCommand() *cli.Command {
 		Usage: "export settled receipts no guarantee needs any more, and later their history, then remove them (docs/retention.md)",
 		Subcommands: []*cli.Command{{
 			Name: "run",
-			Usage: "one retention pass: each batch of receipts (then of history) is written to --dir as gzip JSON Lines " +
-				"with a .sha256 file, and removed only once written",
+			Usage: "one retention pass: each batch of receipts (then each history partition range, then the history " +
+				"left) is written to --dir as gzip JSON Lines with a .sha256 file, and removed only once written",
 			Description: "The policy comes from the adapters file's retention mapping ({settled: 90d, history: 1y}) or " +
 				"the flags, which override it. A receipt stays while any guarantee needs it (unsettled, manual_review, " +
 				"native-key retention, absence window, the adapters' request horizon, an open retry chain, a " +
 				"duplicate alarm, a pending webhook, a replayable gateway response): the database re-checks each " +
-				"batch. Prints what was removed, one name=value per line.",
+				"batch. A history partition range whose receipts all left before the history policy, and that the " +
+				"receipts sequence has passed, is dropped whole (history-p<lo>-<hi>.jsonl.gz). " +
+				"Prints what was removed, one name=value per line.",
 			Flags: []cli.Flag{
 				databaseURLFlag(),
 				&cli.StringFlag{Name: "dir", Required: true, Usage: "directory the archive files are written to"},
@@ -125,7 +127,8 @@ func archiveRun(c *cli.Context) error {
 }
 
 func printArchiveReport(w *screen, rep retention.Report) {
-	w.Printf("receipt_batches=%d\nhistory_batches=%d\n", rep.ReceiptBatches, rep.HistoryBatches)
+	w.Printf("receipt_batches=%d\nhistory_partitions=%d\nhistory_batches=%d\n",
+		rep.ReceiptBatches, rep.HistoryPartitions, rep.HistoryBatches)
 	tables := make([]string, 0, len(rep.Rows))
 	for t := range rep.Rows {
 		tables = append(tables, t)

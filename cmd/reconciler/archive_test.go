@@ -2,8 +2,10 @@ package main
 
 import (
 	"context"
+	"fmt"
 	"os"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"testing"
 
@@ -82,5 +84,62 @@ adapters:
 	}
 	if code, _, errOut = runCLI(t, "", "archive", "verify", files[0]); code != 1 || !strings.Contains(errOut, "checksum") {
 		t.Errorf("tampered file: exit %d, stderr %q", code, errOut)
+	}
+}
+
+// Issue 25: a history partition range whose receipts all left leaves whole:
+// `archive run` prints history_partitions and the range's file, which
+// `archive verify` reads back with the range's rows.
+func TestArchiveDropsAHistoryPartition(t *testing.T) {
+	ctx := context.Background()
+	url := pgtest.NewDatabase(t)
+	db := pgtest.Pool(t, url)
+	var lo int64
+	if err := db.QueryRow(ctx, `SELECT max(to_id) FROM reconciler.history_partitions()`).Scan(&lo); err != nil {
+		t.Fatal(err)
+	}
+	conn, err := db.Acquire(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, q := range []string{
+		// The owner makes ranges of 10 ids above the migration's, and the
+		// receipts start at the first of them.
+		`SELECT setval(pg_get_serial_sequence('reconciler.receipts', 'id'), ` + strconv.FormatInt(lo-1, 10) + `)`,
+		`UPDATE reconciler.history_partitioning SET width = 10`,
+		`SELECT reconciler.ensure_history_partitions()`,
+		`SET session_replication_role = replica`,
+		`INSERT INTO reconciler.receipts (idempotency_key, operation, dependency, method, target, fingerprint,
+		     state, state_actor, created_at, submitted_at, updated_at, version)
+		 SELECT 'k' || g, 'things.create', 'api', 'POST', '/things', 'sha256:' || repeat('a', 64),
+		     CASE WHEN g <= 10 THEN 'succeeded' ELSE 'outcome_unknown' END, 'agent:a',
+		     now() - interval '200 days', now() - interval '200 days', now() - interval '100 days', 3
+		 FROM generate_series(1, 11) g`,
+		`INSERT INTO reconciler.receipt_keys SELECT idempotency_key, id FROM reconciler.receipts`,
+		`INSERT INTO reconciler.receipt_events (receipt_id, seq, to_state, at, actor)
+		 SELECT id, 1, 'planned', created_at, 'agent:a' FROM reconciler.receipts`,
+		`RESET session_replication_role`,
+	} {
+		if _, err := conn.Exec(ctx, q); err != nil {
+			t.Fatalf("%s: %v", q, err)
+		}
+	}
+	conn.Release()
+
+	archive := t.TempDir()
+	code, out, errOut := runCLI(t, "", "archive", "run", "--database-url", url, "--dir", archive,
+		"--settled", "90d", "--horizon", "1h")
+	file := filepath.Join(archive, fmt.Sprintf("history-p%019d-%019d.jsonl.gz", lo, lo+10))
+	if code != 0 || !strings.Contains(out, "\nhistory_partitions=") || strings.Contains(out, "\nhistory_partitions=0\n") ||
+		!strings.Contains(out, "file="+file+"\n") {
+		t.Fatalf("archive run: exit %d, stdout %q, stderr %q", code, out, errOut)
+	}
+	code, out, errOut = runCLI(t, "", "archive", "verify", file)
+	if code != 0 || !strings.Contains(out, "receipt_events=10") {
+		t.Errorf("archive verify: exit %d, stdout %q, stderr %q", code, out, errOut)
+	}
+	var n int
+	if err := db.QueryRow(ctx, `SELECT count(*) FROM reconciler.receipt_events`).Scan(&n); err != nil || n != 1 {
+		t.Errorf("%d events left, want the one of the receipt in flight (%v)", n, err)
 	}
 }

@@ -2,8 +2,11 @@ package rolestest
 
 import (
 	"context"
+	"strconv"
 	"testing"
 	"time"
+
+	"github.com/jackc/pgx/v5/pgconn"
 
 	"github.com/receiptledger/reconciler/ledger"
 	"github.com/receiptledger/reconciler/retention"
@@ -43,6 +46,14 @@ func TestRetentionRole(t *testing.T) {
 	} {
 		wantCode(t, p.name+": retention_remove_receipts", p.exec(), denied)
 	}
+	// Nor a history partition's drop (migration 00022).
+	drop := `SELECT reconciler.retention_drop_history_partition(NULL, 1, clock_timestamp(), 'x', repeat('0', 64), '{}')`
+	for name, pool := range map[string]interface {
+		Exec(context.Context, string, ...any) (pgconn.CommandTag, error)
+	}{"agent": e.agent, "worker": e.worker, "reviewer": e.reviewer} {
+		_, err := pool.Exec(ctx, drop)
+		wantCode(t, name+": retention_drop_history_partition", err, denied)
+	}
 	refuse(t, ret, denied, append(forgeries(r.ID),
 		stmt{"delete receipts", `DELETE FROM reconciler.receipts WHERE id = $1`, []any{r.ID}},
 		stmt{"delete receipts with the removal's setting", `SELECT set_config('reconciler.retention_batch', '1', true);
@@ -50,6 +61,8 @@ func TestRetentionRole(t *testing.T) {
 		stmt{"update receipts", `UPDATE reconciler.receipts SET state = 'succeeded' WHERE id = $1`, []any{kept.ID}},
 		stmt{"insert retention_batches", `INSERT INTO reconciler.retention_batches (kind, archive, sha256, removed)
 			VALUES ('receipts', 'x', repeat('0', 64), '{}')`, nil},
+		stmt{"detach a history partition", `ALTER TABLE reconciler.receipt_events DETACH PARTITION reconciler.receipt_events_legacy`, nil},
+		stmt{"drop a history partition", `DROP TABLE reconciler.readback_checks_legacy`, nil},
 	))
 
 	// The receipt settled a moment ago, never sent; a policy of a
@@ -75,5 +88,41 @@ func TestRetentionRole(t *testing.T) {
 	}
 	if len(left) != 1 || left[0] != kept.ID {
 		t.Errorf("receipts left %v, want only %d (outcome_unknown)", left, kept.ID)
+	}
+
+	// A history partition range leaves whole through the role too
+	// (migration 00022): the owner makes ranges of 10 ids, a receipt of the
+	// first is settled and the sequence passes the range.
+	var lo int64
+	if err := e.owner.QueryRow(ctx, `SELECT max(to_id) FROM reconciler.history_partitions()`).Scan(&lo); err != nil {
+		t.Fatal(err)
+	}
+	for _, q := range []string{
+		`SELECT setval(pg_get_serial_sequence('reconciler.receipts', 'id'), ` + strconv.FormatInt(lo-1, 10) + `)`,
+		`UPDATE reconciler.history_partitioning SET width = 10`,
+		`SELECT reconciler.ensure_history_partitions()`,
+	} {
+		if _, err := e.owner.Exec(ctx, q); err != nil {
+			t.Fatalf("%s: %v", q, err)
+		}
+	}
+	if r, err = agent.Plan(ctx, intent("ret:3", "blog-api")); err != nil {
+		t.Fatal(err)
+	} else if r.ID != lo {
+		t.Fatalf("receipt %d, want %d", r.ID, lo)
+	}
+	if _, err = agent.Reject(ctx, r, ledger.Detail{}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := e.owner.Exec(ctx, `SELECT setval(pg_get_serial_sequence('reconciler.receipts', 'id'), `+strconv.FormatInt(lo+10, 10)+`)`); err != nil {
+		t.Fatal(err)
+	}
+	rep, err = retention.New(ret, retention.Dir(t.TempDir()), nil).Run(ctx,
+		retention.Policy{Settled: time.Microsecond, History: time.Microsecond}, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if rep.HistoryPartitions == 0 || rep.Rows["receipt_events"] != 2 {
+		t.Errorf("retention role: %+v, want the range of the rejected receipt dropped with its 2 events", rep)
 	}
 }
