@@ -21,23 +21,19 @@
 -- every range lands in <table>_default rather than being refused.
 
 -- +goose Up
--- Every lock the migration needs, first and in the writers' order: a
--- writer takes receipts before the history its triggers write (a plan,
--- a claim, a settlement), so with receipts taken first no writer can hold
--- a history table the migration waits for while it waits for receipts
--- (taken one by one below, the renames deadlocked with a settlement that
--- held readback_checks and wanted receipt_events). Writers wait for the
--- migration's commit and then write through the partitioned parents.
-LOCK TABLE reconciler.receipts, reconciler.receipt_events, reconciler.readback_checks,
-    reconciler.verdict_audits IN ACCESS EXCLUSIVE MODE;
 
 -- The locks the renames below take, taken first and together. Writers
 -- lock receipts, readback_checks and verdict_audits in their own orders
 -- and receipt_events last (the history trigger): taken one by one here,
 -- a settlement holding readback_checks and waiting for receipt_events
--- deadlocked with this migration. So: wait for receipts (holding nothing
--- else, and queueing new writers behind), then take the other three only
--- if they are free at once; if not, let go of everything and try again.
+-- deadlocked with this migration. No fixed order is safe: a settlement
+-- (a WITH inserting readback_checks, then an UPDATE of receipts) locks
+-- readback_checks first when parsed (its WITH is analyzed first) and,
+-- as planned, receipts first when it runs a cached plan. So: wait for
+-- receipts (holding nothing else, and queueing new writers behind), then
+-- take the other three only if they are free at once; if not, let go of
+-- everything and try again. Writers wait for the commit and then write
+-- through the partitioned parents.
 -- +goose StatementBegin
 DO $$
 BEGIN
