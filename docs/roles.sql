@@ -54,6 +54,13 @@
 --     itself. No role has DELETE or TRUNCATE on receipts, and the
 --     refuse_rewrite triggers refuse those, and any UPDATE or DELETE of a
 --     history table, even to the owner.
+--   * receipt_events, readback_checks and verdict_audits are partitioned
+--     (migration 00021): the grants below are on the parents; no role holds
+--     any privilege on a partition (REVOKE ALL ON ALL TABLES above covers
+--     them), so none reads, writes, truncates, detaches or drops one, and
+--     every partition carries the refuse_rewrite triggers. Partitions are
+--     created by reconciler.ensure_history_partitions (SECURITY DEFINER),
+--     owned by the owner.
 --   * Identity columns (receipts.id, readback_checks.id, duplicate_alarms.id)
 --     draw their sequences without a sequence privilege, so none is granted,
 --     and no role may INSERT an id of its own (no INSERT on those columns).

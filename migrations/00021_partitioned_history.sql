@@ -21,15 +21,36 @@
 -- every range lands in <table>_default rather than being refused.
 
 -- +goose Up
--- Every lock the migration needs, first and in the writers' order: a
--- writer takes receipts before the history its triggers write (a plan,
--- a claim, a settlement), so with receipts taken first no writer can hold
--- a history table the migration waits for while it waits for receipts
--- (taken one by one below, the renames deadlocked with a settlement that
--- held readback_checks and wanted receipt_events). Writers wait for the
--- migration's commit and then write through the partitioned parents.
-LOCK TABLE reconciler.receipts, reconciler.receipt_events, reconciler.readback_checks,
-    reconciler.verdict_audits IN ACCESS EXCLUSIVE MODE;
+
+-- The locks the renames below take, taken first and together. Writers
+-- lock receipts, readback_checks and verdict_audits in their own orders
+-- and receipt_events last (the history trigger): taken one by one here,
+-- a settlement holding readback_checks and waiting for receipt_events
+-- deadlocked with this migration. No fixed order is safe: a settlement
+-- (a WITH inserting readback_checks, then an UPDATE of receipts) locks
+-- readback_checks first when parsed (its WITH is analyzed first) and,
+-- as planned, receipts first when it runs a cached plan. So: wait for
+-- receipts (holding nothing else, and queueing new writers behind), then
+-- take the other three only if they are free at once; if not, let go of
+-- everything and try again. Writers wait for the commit and then write
+-- through the partitioned parents.
+-- +goose StatementBegin
+DO $$
+BEGIN
+    LOOP
+        BEGIN
+            LOCK TABLE reconciler.receipts IN ACCESS EXCLUSIVE MODE;
+            LOCK TABLE reconciler.readback_checks, reconciler.verdict_audits, reconciler.receipt_events
+                IN ACCESS EXCLUSIVE MODE NOWAIT;
+            EXIT;
+        EXCEPTION WHEN lock_not_available THEN
+            -- (The block's rollback released the lock on receipts.)
+            PERFORM pg_sleep(0.01);
+        END;
+    END LOOP;
+END
+$$;
+-- +goose StatementEnd
 
 -- How the history is partitioned: one row, changed by the owner only (no
 -- runtime role is granted it). width: receipt ids per partition (a million
@@ -377,6 +398,31 @@ $$;
 -- +goose Down
 -- Each table back to a plain table holding every row, in key order, with
 -- the indexes, triggers, identity and grants it had at 00020.
+-- The locks the drops below take, taken first and together (as in Up). Writers
+-- lock receipts, readback_checks and verdict_audits in their own orders
+-- and receipt_events last (the history trigger): taken one by one here,
+-- a settlement holding readback_checks and waiting for receipt_events
+-- deadlocked with the migration. So: wait for receipts (holding nothing
+-- else, and queueing new writers behind), then take the other three only
+-- if they are free at once; if not, let go of everything and try again.
+-- +goose StatementBegin
+DO $$
+BEGIN
+    LOOP
+        BEGIN
+            LOCK TABLE reconciler.receipts IN ACCESS EXCLUSIVE MODE;
+            LOCK TABLE reconciler.readback_checks, reconciler.verdict_audits, reconciler.receipt_events
+                IN ACCESS EXCLUSIVE MODE NOWAIT;
+            EXIT;
+        EXCEPTION WHEN lock_not_available THEN
+            -- (The block's rollback released the lock on receipts.)
+            PERFORM pg_sleep(0.01);
+        END;
+    END LOOP;
+END
+$$;
+-- +goose StatementEnd
+
 -- +goose StatementBegin
 CREATE OR REPLACE FUNCTION reconciler.refuse_rewrite() RETURNS trigger LANGUAGE plpgsql AS $$
 DECLARE
