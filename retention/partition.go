@@ -71,8 +71,8 @@ func partitionTables() []string {
 	return []string{"receipt_events", "readback_checks", "verdict_audits"}
 }
 
-// maxKeptShare is the largest share of a pinned range's receipts (those
-// kept, over those kept and those whose history would leave) at which the
+// maxKeptShare bounds the share of a pinned range's receipts (those kept,
+// over those kept and those whose history would leave) below which the
 // range is compacted rather than its history removed row by row: a
 // compaction copies the kept receipts' history and scans the partitions,
 // which is worth it while the kept share is small (at `bench scale`'s mix,
@@ -89,7 +89,7 @@ type compactRange struct {
 // compactPartitions compacts, oldest first, every history partition range
 // that receipts still in the ledger pin but whose other receipts all left
 // before historyBefore (reconciler.retention_partition_compact_reason), if
-// the kept share is at most maxKeptShare: it exports the rows of the
+// the kept share is below maxKeptShare: it exports the rows of the
 // receipts that left to history-p<lo>-<hi>-c<n>.jsonl.gz (n: the range's
 // nth compaction) and removes them at once, the kept receipts' history
 // staying whole. A refusal (RL020: a row written after the export, a kept

@@ -235,7 +235,7 @@ func TestHistoryPartitionLeavesWhole(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if _, err := p.Down(ctx); err == nil || !strings.Contains(err.Error(), "records dropped history partitions") {
+	if _, err := p.DownTo(ctx, 21); err == nil || !strings.Contains(err.Error(), "records dropped history partitions") {
 		t.Errorf("down past 00022 with dropped partitions: %v", err)
 	}
 }

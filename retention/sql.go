@@ -95,7 +95,7 @@ const (
 	// still in the ledger pins but that may be compacted (migration 00024),
 	// oldest first, with the compactions it had: those whose receipts left
 	// since the range's last partition batch (whose history is still
-	// there) are at least (1 - @max_kept_share) of them with the kept
+	// there) are more than (1 - @max_kept_share) of them with the kept
 	// ones. Counted in receipts by their primary keys, not in rows: a
 	// receipt's history is a few rows, kept or not alike.
 	sqlPartitionsToCompact = `SELECT r.from_id, r.to_id, c.n
@@ -109,7 +109,7 @@ const (
 		  AND t.batch_id > c.last) g
 	WHERE r.parent = 'receipt_events' AND r.to_id IS NOT NULL
 	  AND reconciler.retention_partition_compact_reason(r.from_id, r.to_id, @history_before) IS NULL
-	  AND k.kept > 0 AND g.gone > 0 AND k.kept <= @max_kept_share::float8 * (k.kept + g.gone)
+	  AND k.kept > 0 AND g.gone > 0 AND k.kept < @max_kept_share::float8 * (k.kept + g.gone)
 	ORDER BY r.to_id`
 
 	// sqlExportCompaction is every row of a range's partitions whose
