@@ -376,3 +376,65 @@ func TestCompactPartitionRefuses(t *testing.T) {
 		t.Fatal(err)
 	}
 }
+
+// History a kept receipt writes while a compaction of its range is under
+// way waits on the parents' lock, taken first, and lands in the new
+// partition once the compaction commits: no row lost, none refused.
+func TestHistoryWrittenDuringCompactionLands(t *testing.T) {
+	ctx := context.Background()
+	db := pgtest.NewPool(t)
+	lo, ids, _ := pinnedRange(t, db)
+	if _, err := retention.New(db, retention.Dir(t.TempDir()), nil).Run(ctx,
+		retention.Policy{Settled: 90 * day, History: 365 * day, Horizon: time.Hour}, 0); err != nil {
+		t.Fatal(err)
+	}
+	n := wide - 5
+	tx, err := db.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer tx.Rollback(ctx)
+	if _, err := tx.Exec(ctx, `SELECT reconciler.retention_compact_history_partition($1, $2, $3, 'x', repeat('0', 64), $4)`,
+		lo, lo+wide, time.Now().Add(-30*day),
+		fmt.Sprintf(`{"receipt_events": %d, "readback_checks": %d, "verdict_audits": 0}`, 3*n, n)); err != nil {
+		t.Fatal(err)
+	}
+	writer, err := db.Acquire(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer writer.Release()
+	var pid uint32
+	if err := writer.QueryRow(ctx, `SELECT pg_backend_pid()`).Scan(&pid); err != nil {
+		t.Fatal(err)
+	}
+	wrote := make(chan error, 1)
+	go func() {
+		_, err := writer.Exec(ctx, `INSERT INTO reconciler.readback_checks (receipt_id, check_no, at, instance, adapter, dependency, verdict, latency_us)
+			VALUES ($1, 2, clock_timestamp(), 'during', 'test', 'api', 'present', 1)`, ids["unsettled"])
+		wrote <- err
+	}()
+	// Wait (on the condition, not the clock) until the write queues.
+	for waiting := false; !waiting; {
+		if err := db.QueryRow(ctx, `SELECT coalesce(wait_event_type = 'Lock', false) FROM pg_stat_activity WHERE pid = $1`,
+			pid).Scan(&waiting); err != nil {
+			t.Fatal(err)
+		}
+		select {
+		case err := <-wrote:
+			t.Fatalf("the write went through during the compaction: %v", err)
+		default:
+		}
+	}
+	if err := tx.Commit(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if err := <-wrote; err != nil {
+		t.Fatalf("write queued behind the compaction: %v", err)
+	}
+	var landed int
+	if err := db.QueryRow(ctx, `SELECT count(*) FROM reconciler.`+partitionOf(t, db, "readback_checks", lo)+`
+		WHERE receipt_id = $1`, ids["unsettled"]).Scan(&landed); err != nil || landed != 2 {
+		t.Errorf("checks of the kept receipt in its compacted partition: %d, %v; want 2", landed, err)
+	}
+}
