@@ -241,7 +241,8 @@ func TestHistoryPartitionLeavesWhole(t *testing.T) {
 }
 
 // A receipt a guarantee keeps pins its range: the range is not dropped,
-// the history of the receipts that left goes row by row, and the kept
+// the history of the receipts that left goes row by row (one kept in ten:
+// too many for a compaction, see compact_test.go), and the kept
 // receipt's history stays complete. A receipts batch with receipts in a
 // range that leaves whole and in pinned ones: the range's history leaves
 // with it, the rest of the batch's row by row.
