@@ -106,11 +106,14 @@ BEGIN
             USING ERRCODE = 'RL020';
     END IF;
     PERFORM FROM reconciler.receipts x WHERE x.id >= low AND x.id < hi FOR KEY SHARE;
+    -- (The receipts are bounded by the range below as well: the joins read
+    -- the range's receipts by the primary key, never the whole ledger.)
     FOR p IN SELECT r.parent, r.partition FROM reconciler.history_partitions() r
              WHERE r.from_id IS NOT DISTINCT FROM lo AND r.to_id = hi LOOP
         EXECUTE format('SELECT count(*) FROM reconciler.%I h
-                        WHERE NOT EXISTS (SELECT FROM reconciler.receipts x WHERE x.id = h.receipt_id)', p.partition)
-        INTO n;
+                        WHERE NOT EXISTS (SELECT FROM reconciler.receipts x WHERE x.id = h.receipt_id
+                                          AND x.id >= $1 AND x.id < $2)', p.partition)
+        INTO n USING low, hi;
         counted := counted || jsonb_build_object(p.parent, n);
     END LOOP;
     IF counted IS DISTINCT FROM expected THEN
@@ -129,8 +132,9 @@ BEGIN
         EXECUTE format('CREATE TABLE reconciler.%I (LIKE reconciler.%I INCLUDING DEFAULTS INCLUDING CONSTRAINTS)',
                        fresh, p.parent);
         EXECUTE format('INSERT INTO reconciler.%1$I (%2$s) SELECT %2$s FROM reconciler.%3$I h
-                        WHERE EXISTS (SELECT FROM reconciler.receipts x WHERE x.id = h.receipt_id)',
-                       fresh, cols, p.partition);
+                        WHERE EXISTS (SELECT FROM reconciler.receipts x WHERE x.id = h.receipt_id
+                                      AND x.id >= $1 AND x.id < $2)',
+                       fresh, cols, p.partition) USING low, hi;
         GET DIAGNOSTICS copied = ROW_COUNT;
         EXECUTE format('SELECT count(*) FROM reconciler.%I', p.partition) INTO total;
         IF copied + (counted ->> p.parent)::bigint <> total THEN

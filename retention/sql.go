@@ -113,16 +113,21 @@ const (
 	ORDER BY r.to_id`
 
 	// sqlExportCompaction is every row of a range's partitions whose
-	// receipt is no longer in the ledger: what the compaction removes.
+	// receipt is no longer in the ledger: what the compaction removes. The
+	// receipts are bounded by the range too, so the anti-join reads only
+	// theirs (by the primary key), never the whole ledger.
 	sqlExportCompaction = `SELECT 'receipt_events', to_jsonb(e) FROM reconciler.receipt_events e
 		WHERE e.receipt_id >= coalesce($1, -9223372036854775808) AND e.receipt_id < $2
-		  AND NOT EXISTS (SELECT FROM reconciler.receipts x WHERE x.id = e.receipt_id)
+		  AND NOT EXISTS (SELECT FROM reconciler.receipts x WHERE x.id = e.receipt_id
+		                  AND x.id >= coalesce($1, -9223372036854775808) AND x.id < $2)
 	UNION ALL SELECT 'readback_checks', to_jsonb(c) FROM reconciler.readback_checks c
 		WHERE c.receipt_id >= coalesce($1, -9223372036854775808) AND c.receipt_id < $2
-		  AND NOT EXISTS (SELECT FROM reconciler.receipts x WHERE x.id = c.receipt_id)
+		  AND NOT EXISTS (SELECT FROM reconciler.receipts x WHERE x.id = c.receipt_id
+		                  AND x.id >= coalesce($1, -9223372036854775808) AND x.id < $2)
 	UNION ALL SELECT 'verdict_audits', to_jsonb(v) FROM reconciler.verdict_audits v
 		WHERE v.receipt_id >= coalesce($1, -9223372036854775808) AND v.receipt_id < $2
-		  AND NOT EXISTS (SELECT FROM reconciler.receipts x WHERE x.id = v.receipt_id)`
+		  AND NOT EXISTS (SELECT FROM reconciler.receipts x WHERE x.id = v.receipt_id
+		                  AND x.id >= coalesce($1, -9223372036854775808) AND x.id < $2)`
 
 	// sqlCompactPartition compacts a range's partitions, re-checking the
 	// rule and the rows under their locks.
