@@ -2,7 +2,6 @@ package main
 
 import (
 	"context"
-	"encoding/json"
 	"fmt"
 	"io"
 	"os"
@@ -13,11 +12,8 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/urfave/cli/v2"
 
-	"github.com/receiptledger/reconciler/ledger"
 	"github.com/receiptledger/reconciler/readback"
-	"github.com/receiptledger/reconciler/reconcile"
 	"github.com/receiptledger/reconciler/retention"
-	"github.com/receiptledger/reconciler/review"
 )
 
 func benchScaleCommand() *cli.Command {
@@ -26,15 +22,27 @@ func benchScaleCommand() *cli.Command {
 		Usage: "fill N receipts spread over a year with their history, print claim, plan, sweep and review list " +
 			"latencies and table and index sizes per million receipts, then the same after a retention pass",
 		Description: "Creates a scratch database (see bench settle), fills it with the triggers off (history " +
-			"events, readback checks and keys written alongside, as the triggers would), VACUUM ANALYZEs it, " +
-			"measures, runs one retention pass (archive written to a temporary directory), VACUUM FULLs the " +
-			"tables, and measures again. Output is one name=value per line.",
+			"events, readback checks, verdict audits and keys written alongside, as the triggers would; on a " +
+			"partitioned schema, the history partitions created first), VACUUM ANALYZEs it, measures, runs one " +
+			"retention pass (archive written to a temporary directory), VACUUM FULLs the tables, and measures " +
+			"again. Output is one name=value per line.",
 		Flags: []cli.Flag{
 			benchServerFlag(),
 			&cli.IntFlag{Name: "receipts", Value: 1_000_000, Usage: "receipts to fill"},
 			&cli.StringFlag{Name: "settled", Value: "90d", Usage: "retention pass: settled receipts kept this long"},
 			&cli.StringFlag{Name: "history", Value: "180d", Usage: "retention pass: their history kept this long"},
 			&cli.IntFlag{Name: "samples", Value: 100, Usage: "claims, plans and review lists measured per phase"},
+			&cli.BoolFlag{Name: "retention", Value: true, Usage: "run the retention pass and measure after it " +
+				"(false: measure the filled ledger only; a pass over 10 million receipts takes hours on a small machine)"},
+			&cli.IntFlag{Name: "retention-batches", Usage: "bound the retention pass to this many receipts batches " +
+				"(0: a whole pass); a bounded pass measures the removal's rate on the oldest receipts only: no VACUUM FULL, " +
+				"no after phase"},
+			&cli.IntFlag{Name: "in-flight", Usage: "receipts in flight, the newest ones (0: 2% of --receipts); " +
+				"the work in flight depends on the rate of calls, not on the ledger's age, so to see what the size of the " +
+				"history alone costs, compare sizes with the same in-flight count"},
+			&cli.IntFlag{Name: "compare", Usage: "also fill a second database of this many receipts on the same server " +
+				"(with the same in-flight count) and measure the two interleaved, sample by sample, so that the " +
+				"machine's load weighs on both alike; prints each size's figures and their ratios (no retention pass)"},
 			&cli.BoolFlag{Name: "keep", Usage: "keep the benchmark database (its name is printed; not with a throwaway cluster)"},
 		},
 		Action: benchScale,
@@ -42,18 +50,19 @@ func benchScaleCommand() *cli.Command {
 }
 
 // The bench's mix, per receipt id g of n spread over a year, oldest first
-// (ids in creation order, as in a real ledger). The newest 2% (the last
-// 7.3 days) are the work in flight: per 100, 50 outcome_unknown (due), 2
+// (ids in creation order, as in a real ledger). The newest @n - @settled
+// (--in-flight; by default 2%, the last 7.3 days) are the work in flight: per 100, 50 outcome_unknown (due), 2
 // reconciling, 13 submitted (all older than the orphan cut-off but the
 // last), 7 planned, the rest succeeded (a backlog far above a healthy
-// one's, so that every phase has due receipts to claim). The older 98% are settled: per
+// one's, so that every phase has due receipts to claim). The older ones are settled: per
 // 1,000, 2 manual_review, 5 safe_to_retry never retried (open chains), 20
 // rejected, the rest succeeded, one in ten of those through the
 // reconciler (five events and a readback check, else three events). One
-// receipt in 10,000 has a duplicate alarm.
+// settled receipt in 100 is a delete (most of them succeeded through the
+// reconciler). One receipt in 10,000 has a duplicate alarm.
 const sqlScaleFill = `WITH r AS (
 	SELECT g, now() - (@n - g) * (interval '365 days' / @n) AS created,
-	       CASE WHEN g > @n * 98 / 100 THEN
+	       CASE WHEN g > @settled THEN
 	                CASE WHEN g % 100 < 50 THEN 'outcome_unknown' WHEN g % 100 < 52 THEN 'reconciling'
 	                     WHEN g % 100 < 65 THEN 'submitted' WHEN g % 100 < 72 THEN 'planned' ELSE 'succeeded' END
 	            ELSE
@@ -65,11 +74,12 @@ const sqlScaleFill = `WITH r AS (
 INSERT INTO reconciler.receipts (idempotency_key, operation, dependency, method, target, fingerprint, intent,
     state, state_actor, state_detail, created_at, submitted_at, updated_at, unknown_since, next_check_at,
     lease_owner, lease_expires_at, version, check_count, guarded)
-SELECT 'scale:' || g, 'things.create', 'dep-' || (g % 20), 'POST', '/things', 'sha256:' || md5(g::text) || md5(g::text || 'x'),
+SELECT 'scale:' || g, CASE WHEN g % 100 = 0 AND g <= @settled THEN 'things.delete' ELSE 'things.create' END,
+       'dep-' || (g % 20), CASE WHEN g % 100 = 0 AND g <= @settled THEN 'DELETE' ELSE 'POST' END, '/things', 'sha256:' || md5(g::text) || md5(g::text || 'x'),
        jsonb_build_object('name', 'thing ' || g),
        state, CASE WHEN state IN ('reconciling', 'manual_review', 'safe_to_retry') OR g % 10 = 0 AND state = 'succeeded'
                    THEN 'reconciler:scale' ELSE 'agent:scale' END,
-       CASE WHEN state = 'safe_to_retry' OR g % 10 = 0 AND state = 'succeeded' AND g <= @n * 98 / 100
+       CASE WHEN state = 'safe_to_retry' OR g % 10 = 0 AND state = 'succeeded' AND g <= @settled
             THEN jsonb_build_object('evidence', jsonb_build_object('absence_safe_at', created + interval '2 minutes'))
             ELSE '{}' END,
        created, CASE WHEN state <> 'planned' THEN created + interval '100 ms' END,
@@ -102,23 +112,58 @@ func sqlScaleHistory() []string {
 		`INSERT INTO reconciler.readback_checks (receipt_id, check_no, at, instance, adapter, dependency, verdict,
 		     authoritative, latency_us)
 		 SELECT id, 1, updated_at, 'scale', 'scale', dependency,
-		        CASE state WHEN 'succeeded' THEN 'present' WHEN 'safe_to_retry' THEN 'absent' ELSE 'inconclusive' END,
+		        CASE WHEN state = 'safe_to_retry' OR state = 'succeeded' AND operation = 'things.delete' THEN 'absent'
+		             WHEN state = 'succeeded' THEN 'present' ELSE 'inconclusive' END,
 		        true, 1500
 		 FROM reconciler.receipts WHERE id BETWEEN @lo AND @hi AND check_count > 0`,
 		`INSERT INTO reconciler.duplicate_alarms (receipt_id, detected_at, instance, adapter, dependency, external_ids)
 		 SELECT id, updated_at, 'scale', 'scale', dependency, '{a,b}' FROM reconciler.receipts
 		 WHERE id BETWEEN @lo AND @hi AND id % 10000 = 5000 AND state = 'succeeded'`,
+		// The reconciler audits each absence it settled (migration 00015):
+		// the safe_to_retry receipts and the reconciler's succeeded
+		// deletes, once each, a day after the verdict.
+		`INSERT INTO reconciler.verdict_audits (receipt_id, dependency, operation, adapter, settled_state, settled_at,
+		     at, instance, verdict)
+		 SELECT id, dependency, operation, 'scale', state, updated_at, updated_at + interval '1 day', 'scale', 'confirmed'
+		 FROM reconciler.receipts WHERE id BETWEEN @lo AND @hi
+		   AND (state = 'safe_to_retry' OR state = 'succeeded' AND operation = 'things.delete' AND state_actor = 'reconciler:scale')`,
 	}
 }
 
 // sqlScaleSizes is the size of each table of the ledger and of its
-// indexes, largest first.
-const sqlScaleSizes = `SELECT c.relname, pg_table_size(c.oid), pg_indexes_size(c.oid),
-	(SELECT count(*) FROM pg_catalog.pg_index i WHERE i.indrelid = c.oid)
-	FROM pg_catalog.pg_class c JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace
-	WHERE n.nspname = 'reconciler' AND c.relkind = 'r' AND c.relname <> 'goose_db_version'
-	  AND pg_total_relation_size(c.oid) > 65536
-	ORDER BY pg_total_relation_size(c.oid) DESC`
+// indexes, largest first, with its partition count (0: not partitioned).
+// A partitioned table stores nothing itself (its size and its indexes' are
+// 0): its size is the sum over the leaves of its partition tree
+// (pg_partition_tree lists nothing for a plain table: that is its own
+// leaf).
+const sqlScaleSizes = `SELECT c.relname, sum(pg_table_size(t.relid))::bigint, sum(pg_indexes_size(t.relid))::bigint,
+	(SELECT count(*) FROM pg_catalog.pg_index i WHERE i.indrelid = c.oid),
+	count(*) FILTER (WHERE t.relid <> c.oid AND t.isleaf)
+	FROM pg_catalog.pg_class c JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace,
+	     LATERAL (SELECT p.relid, p.isleaf FROM pg_catalog.pg_partition_tree(c.oid) p WHERE c.relkind = 'p'
+	              UNION ALL SELECT c.oid, true WHERE c.relkind = 'r') t
+	WHERE n.nspname = 'reconciler' AND c.relkind IN ('r', 'p') AND NOT c.relispartition
+	  AND c.relname <> 'goose_db_version'
+	GROUP BY c.oid, c.relname
+	HAVING sum(pg_total_relation_size(t.relid)) > 65536
+	ORDER BY sum(pg_total_relation_size(t.relid)) DESC`
+
+// sqlScaleDefaultPartitions names the default partitions of the ledger's
+// partitioned tables: rows there are rows the fill (or the reconciler's
+// partition maintenance) failed to place in a numbered partition.
+const sqlScaleDefaultPartitions = `SELECT p.relname
+	FROM pg_catalog.pg_class p JOIN pg_catalog.pg_namespace n ON n.oid = p.relnamespace
+	WHERE n.nspname = 'reconciler' AND p.relispartition
+	  AND pg_catalog.pg_get_expr(p.relpartbound, p.oid) = 'DEFAULT'
+	ORDER BY 1`
+
+// sqlScaleHistoryPartitions counts the numbered (non-default) partitions of
+// the history tables, which retention may drop whole.
+const sqlScaleHistoryPartitions = `SELECT count(*) FROM pg_catalog.pg_inherits i
+	JOIN pg_catalog.pg_class p ON p.oid = i.inhrelid
+	WHERE i.inhparent IN (SELECT to_regclass(t) FROM unnest(ARRAY['reconciler.receipt_events',
+	          'reconciler.readback_checks', 'reconciler.verdict_audits']) t)
+	  AND pg_catalog.pg_get_expr(p.relpartbound, p.oid) <> 'DEFAULT'`
 
 func benchScale(c *cli.Context) error {
 	n := c.Int("receipts")
@@ -140,7 +185,20 @@ func benchScale(c *cli.Context) error {
 	if err := p.Validate(); err != nil {
 		return cli.Exit(fmt.Sprintf("bench scale: %v", err), 2)
 	}
+	inflight := c.Int("in-flight")
+	if inflight == 0 {
+		inflight = n / 50
+	}
+	if inflight < 1 || inflight > n {
+		return cli.Exit("bench scale: --in-flight must be between 1 and --receipts", 2)
+	}
 	ctx := c.Context
+	if m := c.Int("compare"); m != 0 {
+		if m < inflight {
+			return cli.Exit("bench scale: --compare must be at least the in-flight count", 2)
+		}
+		return benchScaleCompare(c, []int{n, m}, inflight)
+	}
 	bdb, err := openBenchDB(ctx, c.App.ErrWriter, c.String("database-url"), c.Bool("keep"))
 	if err != nil {
 		return cli.Exit(fmt.Sprintf("bench scale: %v", err), 1)
@@ -154,12 +212,20 @@ func benchScale(c *cli.Context) error {
 	w := c.App.Writer
 	fmt.Fprintf(w, "receipts=%d\n", n)
 	start := time.Now()
-	if err := scaleFill(ctx, db, n); err != nil {
+	if err := scaleFill(ctx, db, n, inflight); err != nil {
 		return cli.Exit(fmt.Sprintf("bench scale: fill: %v", err), 1)
 	}
 	fmt.Fprintf(w, "fill_s=%.1f\n", time.Since(start).Seconds())
 	samples := c.Int("samples")
 	if err := scaleMeasure(ctx, w, db, "before", n, samples); err != nil {
+		return cli.Exit(fmt.Sprintf("bench scale: %v", err), 1)
+	}
+	if !c.Bool("retention") {
+		fmt.Fprintln(w, "retention=skipped (--retention=false: no retention pass, no after phase)")
+		return nil
+	}
+	var partsBefore int64
+	if err := db.QueryRow(ctx, sqlScaleHistoryPartitions).Scan(&partsBefore); err != nil {
 		return cli.Exit(fmt.Sprintf("bench scale: %v", err), 1)
 	}
 
@@ -169,7 +235,8 @@ func benchScale(c *cli.Context) error {
 	}
 	defer os.RemoveAll(dir)
 	start = time.Now()
-	rep, err := retention.New(db, retention.Dir(dir), nil).Run(ctx, p, 0)
+	bound := c.Int("retention-batches")
+	rep, err := retention.New(db, retention.Dir(dir), nil).Run(ctx, p, bound)
 	if err != nil {
 		return cli.Exit(fmt.Sprintf("bench scale: retention: %v", err), 1)
 	}
@@ -185,12 +252,23 @@ func benchScale(c *cli.Context) error {
 	fmt.Fprintf(w, "retention_receipts_removed=%d\n", rep.Rows["receipts"])
 	fmt.Fprintf(w, "retention_events_removed=%d\n", rep.Rows["receipt_events"])
 	fmt.Fprintf(w, "retention_checks_removed=%d\n", rep.Rows["readback_checks"])
+	fmt.Fprintf(w, "retention_audits_removed=%d\n", rep.Rows["verdict_audits"])
+	var partsAfter int64
+	if err := db.QueryRow(ctx, sqlScaleHistoryPartitions).Scan(&partsAfter); err != nil {
+		return cli.Exit(fmt.Sprintf("bench scale: %v", err), 1)
+	}
+	fmt.Fprintf(w, "retention_history_partitions_dropped=%d (of %d; %d ranges dropped whole, the rest removed row by row)\n",
+		partsBefore-partsAfter, partsBefore, rep.HistoryPartitions)
 	fmt.Fprintf(w, "retention_receipts_per_s=%.0f\n", float64(rep.Rows["receipts"])/elapsed.Seconds())
 	fmt.Fprintf(w, "retention_archive_mb=%.1f\n", float64(archived)/(1<<20))
 	fmt.Fprintf(w, "retention_batches=%d+%d\n", rep.ReceiptBatches, rep.HistoryBatches)
+	if bound > 0 {
+		fmt.Fprintf(w, "retention=bounded (--retention-batches=%d: the rate of a partial pass, no after phase)\n", bound)
+		return nil
+	}
 	start = time.Now()
 	if _, err := db.Exec(ctx, `VACUUM (FULL, ANALYZE) reconciler.receipts, reconciler.receipt_events,
-		reconciler.readback_checks, reconciler.receipt_keys, reconciler.late_outcomes`); err != nil {
+		reconciler.readback_checks, reconciler.verdict_audits, reconciler.receipt_keys, reconciler.late_outcomes`); err != nil {
 		return cli.Exit(fmt.Sprintf("bench scale: vacuum: %v", err), 1)
 	}
 	fmt.Fprintf(w, "vacuum_full_s=%.1f\n", time.Since(start).Seconds())
@@ -204,20 +282,33 @@ func benchScale(c *cli.Context) error {
 }
 
 // scaleFill fills n receipts in chunks, on one connection with the
-// triggers off, then VACUUM ANALYZEs.
-func scaleFill(ctx context.Context, db *pgxpool.Pool, n int) error {
+// triggers off, then VACUUM ANALYZEs and checkpoints. On a partitioned schema it first has
+// the history partitions for ids up to n created, as the reconciler's
+// partition maintenance would have, so that no row lands in a default
+// partition.
+func scaleFill(ctx context.Context, db *pgxpool.Pool, n, inflight int) error {
 	conn, err := db.Acquire(ctx)
 	if err != nil {
 		return err
 	}
 	defer conn.Release()
+	var partitioned bool
+	if err := conn.QueryRow(ctx, `SELECT to_regprocedure('reconciler.ensure_history_partitions(bigint)') IS NOT NULL`).
+		Scan(&partitioned); err != nil {
+		return err
+	}
+	if partitioned {
+		if _, err := conn.Exec(ctx, `SELECT reconciler.ensure_history_partitions($1)`, n); err != nil {
+			return fmt.Errorf("history partitions: %w", err)
+		}
+	}
 	if _, err := conn.Exec(ctx, `SET session_replication_role = replica`); err != nil {
 		return fmt.Errorf("%w (the bench's fill needs a superuser)", err)
 	}
 	defer conn.Exec(context.Background(), `RESET session_replication_role`)
 	const chunk = 200_000
 	for lo := 1; lo <= n; lo += chunk {
-		args := pgx.NamedArgs{"n": n, "lo": lo, "hi": min(lo+chunk-1, n)}
+		args := pgx.NamedArgs{"n": n, "settled": n - inflight, "lo": lo, "hi": min(lo+chunk-1, n)}
 		if _, err := conn.Exec(ctx, sqlScaleFill, args); err != nil {
 			return err
 		}
@@ -227,13 +318,49 @@ func scaleFill(ctx context.Context, db *pgxpool.Pool, n int) error {
 			}
 		}
 	}
-	_, err = conn.Exec(ctx, `VACUUM ANALYZE`)
+	if _, err := conn.Exec(ctx, `VACUUM ANALYZE`); err != nil {
+		return err
+	}
+	// The fill and its vacuum leave gigabytes of dirty pages at 10 million
+	// receipts (a tenth of that at 1 million): written back by the
+	// checkpointer during the measurements, they would weigh on the larger
+	// size only.
+	_, err = conn.Exec(ctx, `CHECKPOINT`)
 	return err
 }
 
 // scaleMeasure prints the sizes and latencies of one phase, each name
 // prefixed with it.
 func scaleMeasure(ctx context.Context, w io.Writer, db *pgxpool.Pool, phase string, n, samples int) error {
+	if err := scaleSizes(ctx, w, db, phase, n); err != nil {
+		return err
+	}
+	pr, err := newScaleProbe(db, phase)
+	if err != nil {
+		return err
+	}
+	for range samples {
+		if err := pr.claim(ctx); err != nil {
+			return err
+		}
+	}
+	for i := range samples {
+		if err := pr.plan(ctx, i); err != nil {
+			return err
+		}
+	}
+	for range samples {
+		if err := pr.list(ctx); err != nil {
+			return err
+		}
+	}
+	pr.print(w, phase)
+	return pr.sweep(ctx, w, phase)
+}
+
+// scaleSizes prints the receipts live and each table's size per million
+// receipts written (n), with its indexes and partitions.
+func scaleSizes(ctx context.Context, w io.Writer, db *pgxpool.Pool, phase string, n int) error {
 	var live int64
 	if err := db.QueryRow(ctx, `SELECT count(*) FROM reconciler.receipts`).Scan(&live); err != nil {
 		return err
@@ -244,81 +371,60 @@ func scaleMeasure(ctx context.Context, w io.Writer, db *pgxpool.Pool, phase stri
 		return err
 	}
 	var name string
-	var table, index, indexes int64
+	var table, index, indexes, parts int64
 	perMillion := func(b int64) float64 { return float64(b) / (1 << 20) / (float64(n) / 1e6) }
 	var total int64
-	if _, err := pgx.ForEachRow(rows, []any{&name, &table, &index, &indexes}, func() error {
+	if _, err := pgx.ForEachRow(rows, []any{&name, &table, &index, &indexes, &parts}, func() error {
 		total += table + index
 		fmt.Fprintf(w, "%s_%s_table_mb_per_million=%.1f\n", phase, name, perMillion(table))
 		fmt.Fprintf(w, "%s_%s_indexes_mb_per_million=%.1f (%d indexes)\n", phase, name, perMillion(index), indexes)
+		if parts > 0 {
+			fmt.Fprintf(w, "%s_%s_partitions=%d\n", phase, name, parts)
+		}
 		return nil
 	}); err != nil {
 		return err
 	}
 	fmt.Fprintf(w, "%s_total_mb_per_million=%.1f\n", phase, perMillion(total))
+	return scaleDefaultRows(ctx, w, db, phase)
+}
 
-	store, err := reconcile.NewStore(db, "scale-"+phase)
+// scaleDefaultRows prints the rows held in default partitions (nothing
+// when the schema has none): the fill places every row in a numbered
+// partition, so any number but 0 is a bench or maintenance bug.
+func scaleDefaultRows(ctx context.Context, w io.Writer, db *pgxpool.Pool, phase string) error {
+	rows, err := db.Query(ctx, sqlScaleDefaultPartitions)
 	if err != nil {
 		return err
 	}
-	claims := make([]time.Duration, 0, samples)
-	for range samples {
-		t0 := time.Now()
-		got, err := store.Claim(ctx, time.Now(), 32, time.Hour)
-		if err != nil {
-			return fmt.Errorf("claim: %w", err)
-		}
-		if len(got) != 32 {
-			return fmt.Errorf("claim: %d rows, want 32 (too few due receipts: raise --receipts)", len(got))
-		}
-		claims = append(claims, time.Since(t0))
-	}
-	printPercentiles(w, phase+"_claim32", claims)
-
-	agent, err := ledger.New(db, "agent:scale")
+	names, err := pgx.CollectRows(rows, pgx.RowTo[string])
 	if err != nil {
 		return err
 	}
-	plans := make([]time.Duration, 0, samples)
-	for i := range samples {
-		payload, _ := json.Marshal(map[string]any{"phase": phase, "i": i})
-		in := ledger.Intent{IdempotencyKey: fmt.Sprintf("scale-plan:%s:%d", phase, i), Operation: "things.create",
-			Dependency: fmt.Sprintf("dep-%d", i%20), Method: "POST", Target: "/things", Payload: payload}
-		t0 := time.Now()
-		if _, err := agent.Plan(ctx, in); err != nil {
-			return fmt.Errorf("plan: %w", err)
-		}
-		plans = append(plans, time.Since(t0))
+	if len(names) == 0 {
+		return nil
 	}
-	printPercentiles(w, phase+"_plan", plans)
-
-	t0 := time.Now()
-	orphans, err := store.SweepOrphans(ctx, time.Now(), 5*time.Minute, 512, 0)
-	if err != nil {
-		return fmt.Errorf("sweep: %w", err)
-	}
-	fmt.Fprintf(w, "%s_sweep512_ms=%.1f (%d orphans)\n", phase, ms(time.Since(t0)), len(orphans))
-
-	lists := make([]time.Duration, 0, samples)
-	for range samples {
-		t0 := time.Now()
-		held, err := review.List(ctx, db, review.Filter{Limit: 50})
-		if err != nil {
-			return fmt.Errorf("review list: %w", err)
+	var total int64
+	for _, name := range names {
+		var c int64
+		q := "SELECT count(*) FROM " + pgx.Identifier{"reconciler", name}.Sanitize()
+		if err := db.QueryRow(ctx, q).Scan(&c); err != nil {
+			return fmt.Errorf("rows in %s: %w", name, err)
 		}
-		if len(held) != 50 {
-			return fmt.Errorf("review list: %d held, want 50", len(held))
-		}
-		lists = append(lists, time.Since(t0))
+		total += c
 	}
-	printPercentiles(w, phase+"_review_list50", lists)
+	fmt.Fprintf(w, "%s_default_partition_rows=%d (%d default partitions)\n", phase, total, len(names))
 	return nil
 }
 
 func printPercentiles(w io.Writer, name string, ds []time.Duration) {
+	fmt.Fprintf(w, "%s_p50_ms=%.2f\n%s_p99_ms=%.2f\n", name, ms(quantile(ds, 0.50)), name, ms(quantile(ds, 0.99)))
+}
+
+// quantile returns the q-quantile of ds (sorting ds).
+func quantile(ds []time.Duration, q float64) time.Duration {
 	slices.Sort(ds)
-	at := func(q float64) time.Duration { return ds[min(len(ds)-1, int(q*float64(len(ds))))] }
-	fmt.Fprintf(w, "%s_p50_ms=%.2f\n%s_p99_ms=%.2f\n", name, ms(at(0.50)), name, ms(at(0.99)))
+	return ds[min(len(ds)-1, int(q*float64(len(ds))))]
 }
 
 func ms(d time.Duration) float64 { return float64(d.Microseconds()) / 1000 }
