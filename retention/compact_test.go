@@ -438,3 +438,44 @@ func TestHistoryWrittenDuringCompactionLands(t *testing.T) {
 		t.Errorf("checks of the kept receipt in its compacted partition: %d, %v; want 2", landed, err)
 	}
 }
+
+// A receipt that leaves after its range was compacted still has its
+// history there: the drop of another range its batch shares does not count
+// that batch's history as gone, and the row path removes it.
+func TestReceiptLeavingACompactedRangeLosesItsHistoryLater(t *testing.T) {
+	ctx := context.Background()
+	db := pgtest.NewPool(t)
+	lo := partitionByWidth(t, db, wide)
+	fixture := olds("gone", wide-2, 100*day)
+	fixture = append(fixture, receipt{key: "held", state: "manual_review", settled: 400 * day},
+		receipt{key: "recent", state: "succeeded", settled: 30 * day})
+	fixture = append(fixture, olds("next-range", wide, 30*day)...)
+	fixture = append(fixture, receipt{key: "next", state: "succeeded", settled: day})
+	ids := insert(t, db, fixture)
+	if ids["next"] != lo+2*wide {
+		t.Fatalf("ids %v", ids)
+	}
+	held := rowsOf(t, db, ids["held"], ids["held"]+1)
+	rep, err := retention.New(db, retention.Dir(t.TempDir()), nil).Run(ctx,
+		retention.Policy{Settled: 90 * day, History: 90 * day, Horizon: time.Hour}, 0)
+	if err != nil || rep.HistoryPartitionsCompacted != 1 {
+		t.Fatalf("first pass: %+v, %v; want the range compacted", rep, err)
+	}
+
+	// "recent" leaves in one batch with the next range's receipts; that
+	// range drops whole, "recent"'s range stays (held).
+	rep, err = retention.New(db, retention.Dir(t.TempDir()), nil).Run(ctx,
+		retention.Policy{Settled: 20 * day, History: 20 * day, Horizon: time.Hour}, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if rep.ReceiptBatches != 1 || rep.HistoryPartitions != 1 || rep.HistoryBatches != 1 {
+		t.Errorf("second pass %+v: want one receipts batch, the next range dropped and the rest of the batch row by row", rep)
+	}
+	if got := rowsOf(t, db, ids["recent"], ids["recent"]+1); len(got["receipt_events"])+len(got["readback_checks"]) != 0 {
+		t.Errorf("history of the receipt that left after the compaction still there: %v", got)
+	}
+	if got := rowsOf(t, db, lo, lo+wide); !mapsEqual(got, held) {
+		t.Errorf("range after the second pass %v, want the held receipt's history %v", got, held)
+	}
+}
