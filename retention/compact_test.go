@@ -479,3 +479,40 @@ func TestReceiptLeavingACompactedRangeLosesItsHistoryLater(t *testing.T) {
 		t.Errorf("range after the second pass %v, want the held receipt's history %v", got, held)
 	}
 }
+
+// A compaction does not wait behind a reader of the history for longer
+// than its lock timeout: the pass fails (55P03), nothing removed, and the
+// next one, the reader gone, compacts the range.
+func TestCompactionGivesWayToAReader(t *testing.T) {
+	ctx := context.Background()
+	db := pgtest.NewPool(t)
+	lo, _, _ := pinnedRange(t, db)
+	p := retention.Policy{Settled: 90 * day, History: 365 * day, Horizon: time.Hour}
+	if _, err := retention.New(db, retention.Dir(t.TempDir()), nil).Run(ctx, p, 0); err != nil {
+		t.Fatal(err)
+	}
+	before := rowsOf(t, db, lo, lo+wide)
+	reader, err := db.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer reader.Rollback(ctx)
+	if _, err := reader.Exec(ctx, `SELECT count(*) FROM reconciler.readback_checks`); err != nil {
+		t.Fatal(err)
+	}
+	p.History = 90 * day
+	_, err = retention.New(db, retention.Dir(t.TempDir()), nil).Run(ctx, p, 0)
+	var pe *pgconn.PgError
+	if !errors.As(err, &pe) || pe.Code != "55P03" {
+		t.Fatalf("compaction behind a reader: %v, want 55P03 (lock_not_available)", err)
+	}
+	if got := rowsOf(t, db, lo, lo+wide); !mapsEqual(got, before) {
+		t.Fatal("rows of the range changed")
+	}
+	if err := reader.Rollback(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if rep, err := retention.New(db, retention.Dir(t.TempDir()), nil).Run(ctx, p, 0); err != nil || rep.HistoryPartitionsCompacted != 1 {
+		t.Errorf("next pass: %+v, %v; want the range compacted", rep, err)
+	}
+}
