@@ -324,5 +324,14 @@ GRANT EXECUTE ON FUNCTION
     reconciler.retention_drop_history_partition(bigint, bigint, timestamptz, text, text, jsonb)
     TO reconciler_retention;
 GRANT SELECT ON SEQUENCE reconciler.receipts_id_seq TO reconciler_retention;
+-- A pinned history range's compaction (migration 00024): it chooses with
+-- retention_partition_compact_reason and compacts only through
+-- retention_compact_history_partition (SECURITY DEFINER: only the owner
+-- may create, attach, detach or drop a partition), which re-checks the rule
+-- and the rows that leave under the partitions' locks.
+GRANT EXECUTE ON FUNCTION
+    reconciler.retention_partition_compact_reason(bigint, bigint, timestamptz),
+    reconciler.retention_compact_history_partition(bigint, bigint, timestamptz, text, text, jsonb)
+    TO reconciler_retention;
 
 COMMIT;

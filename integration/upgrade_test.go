@@ -520,8 +520,9 @@ func TestDowngradeAndUpgradeWithReceipts(t *testing.T) {
 	ids := seedFlight(t, db, "round")
 	intactHistories(t, db)
 	before := snapshot(t, db)
-	// What each Down removes with its rows: the record of dropped history
-	// partitions, while there was none (00022 refuses to go down once there
+	// What each Down removes with its rows: the record of compacted history
+	// partitions, while there was none (00024 refuses to go down once there
+	// is), the record of dropped history partitions, while there was none (00022 refuses to go down once there
 	// is: see package retention), the partitions' width (the
 	// history goes back into plain tables, every row), retention's record of removals,
 	// while there were none (00020 refuses to go down once there are: see
@@ -531,14 +532,15 @@ func TestDowngradeAndUpgradeWithReceipts(t *testing.T) {
 	// counted since a receipt became outcome_unknown. Receipts and history
 	// are never among them.
 	loses := map[string]string{
-		"00022_partition_retention.sql": "column retention_batches.by_batch, column retention_batches.range_hi, column retention_batches.range_lo",
-		"00021_partitioned_history.sql": "table history_partitioning",
-		"00020_retention.sql":           "table removed_receipts, table retention_batches",
-		"00015_verdict_audits.sql":      "table audit_queue, table verdict_audits, table window_alarms",
-		"00014_rules_of_time.sql":       "table lifetime_alarms",
-		"00010_webhooks.sql":            "table webhook_deliveries, table webhook_receipts",
-		"00009_gateway.sql":             "table gateway_responses",
-		"00006_wait_count.sql":          "column receipts.wait_count",
+		"00024_partition_compaction.sql": "column retention_batches.kept",
+		"00022_partition_retention.sql":  "column retention_batches.by_batch, column retention_batches.range_hi, column retention_batches.range_lo",
+		"00021_partitioned_history.sql":  "table history_partitioning",
+		"00020_retention.sql":            "table removed_receipts, table retention_batches",
+		"00015_verdict_audits.sql":       "table audit_queue, table verdict_audits, table window_alarms",
+		"00014_rules_of_time.sql":        "table lifetime_alarms",
+		"00010_webhooks.sql":             "table webhook_deliveries, table webhook_receipts",
+		"00009_gateway.sql":              "table gateway_responses",
+		"00006_wait_count.sql":           "column receipts.wait_count",
 	}
 	step := func(what string, f func() (*goose.MigrationResult, error)) {
 		t.Helper()

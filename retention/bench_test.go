@@ -17,7 +17,9 @@ import (
 // retention removed a year ago (3 events and a readback check each;
 // RETENTION_BENCH_RECEIPTS of them, a million unless set), row by row (one
 // partition holds them all and a kept receipt pins it) against whole
-// partitions (ranges of a tenth of them, all due). Run it with
+// partitions (ranges of a tenth of them, all due), and against compacted
+// ones (the same ranges, 1 receipt in 100 still in the ledger in
+// manual_review, pinning every range: migration 00024). Run it with
 // -bench HistoryRemoval -benchtime 1x; each run fills a fresh database.
 func BenchmarkHistoryRemoval(b *testing.B) {
 	n := int64(1_000_000)
@@ -30,7 +32,8 @@ func BenchmarkHistoryRemoval(b *testing.B) {
 	for _, m := range []struct {
 		name  string
 		width int64
-	}{{"rows", 10 * n}, {"partitions", n / 10}} {
+		kept  int64 // every kept-th receipt stays in the ledger (0: none)
+	}{{"rows", 10 * n, 0}, {"partitions", n / 10, 0}, {"compacted", n / 10, 100}} {
 		b.Run(m.name, func(b *testing.B) {
 			for range b.N {
 				b.StopTimer()
@@ -46,7 +49,7 @@ func BenchmarkHistoryRemoval(b *testing.B) {
 				}
 				// The state retention leaves a year after removing the
 				// receipts [top, top+n), in batches of 5000: their history,
-				// the batches, removed_receipts.
+				// the batches, removed_receipts; the kept ones in the ledger.
 				for _, q := range []string{
 					fmt.Sprintf(`SELECT setval(pg_get_serial_sequence('reconciler.receipts', 'id'), %d)`, top-1),
 					fmt.Sprintf(`UPDATE reconciler.history_partitioning SET width = %d`, m.width),
@@ -64,7 +67,14 @@ func BenchmarkHistoryRemoval(b *testing.B) {
 						FROM generate_series(1, %d)`, (n+4999)/5000),
 					fmt.Sprintf(`INSERT INTO reconciler.removed_receipts (receipt_id, batch_id, state, settled_at)
 						SELECT g, (g - %d) / 5000 + 1, 'succeeded', now() - interval '400 days'
-						FROM generate_series(%d, %d) g`, top, top, top+n-1),
+						FROM generate_series(%d, %d) g WHERE %d = 0 OR g %% %d <> 0`, top, top, top+n-1, m.kept, max(m.kept, 1)),
+					fmt.Sprintf(`INSERT INTO reconciler.receipts (id, idempotency_key, operation, dependency, method, target,
+						fingerprint, state, state_actor, created_at, submitted_at, updated_at, version)
+						OVERRIDING SYSTEM VALUE
+						SELECT g, 'kept-' || g, 'things.create', 'api', 'POST', '/things', 'sha256:' || repeat('0', 64),
+						       'manual_review', 'reconciler:bench', now() - interval '401 days', now() - interval '401 days',
+						       now() - interval '400 days', 3
+						FROM generate_series(%d, %d) g WHERE %d <> 0 AND g %% %d = 0`, top, top+n-1, m.kept, max(m.kept, 1)),
 					`RESET session_replication_role`,
 					fmt.Sprintf(`SELECT setval(pg_get_serial_sequence('reconciler.receipts', 'id'), %d)`, top+n-1),
 				} {
@@ -88,8 +98,12 @@ func BenchmarkHistoryRemoval(b *testing.B) {
 				if err != nil {
 					b.Fatal(err)
 				}
-				if rep.Rows["receipt_events"] != 3*n || rep.Rows["readback_checks"] != n {
-					b.Fatalf("removed %v, want %d events and %d checks", rep.Rows, 3*n, n)
+				gone := n
+				if m.kept != 0 {
+					gone -= (top+n-1)/m.kept - (top-1)/m.kept
+				}
+				if rep.Rows["receipt_events"] != 3*gone || rep.Rows["readback_checks"] != gone {
+					b.Fatalf("removed %v, want %d events and %d checks", rep.Rows, 3*gone, gone)
 				}
 				var archived int64
 				for _, f := range rep.Files {
@@ -97,11 +111,11 @@ func BenchmarkHistoryRemoval(b *testing.B) {
 						archived += st.Size()
 					}
 				}
-				fmt.Printf("history_removal mode=%s receipts=%d events=%d checks=%d partitions=%d history_batches=%d "+
+				fmt.Printf("history_removal mode=%s receipts=%d events=%d checks=%d partitions=%d compacted=%d history_batches=%d "+
 					"seconds=%.2f export_s=%.2f remove_s=%.2f rows_per_s=%.0f archive_mb=%.1f\n",
 					m.name, n, rep.Rows["receipt_events"], rep.Rows["readback_checks"], rep.HistoryPartitions,
-					rep.HistoryBatches, elapsed.Seconds(), sink.spent.Seconds(), (elapsed - sink.spent).Seconds(),
-					float64(4*n)/elapsed.Seconds(), float64(archived)/(1<<20))
+					rep.HistoryPartitionsCompacted, rep.HistoryBatches, elapsed.Seconds(), sink.spent.Seconds(),
+					(elapsed - sink.spent).Seconds(), float64(4*gone)/elapsed.Seconds(), float64(archived)/(1<<20))
 				b.ReportMetric(elapsed.Seconds(), "s/removal")
 				b.ReportMetric((elapsed - sink.spent).Seconds(), "s/removal-without-export")
 			}

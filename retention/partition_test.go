@@ -28,7 +28,11 @@ const width = 10
 // created width ids wide, as the owner would, and starts the receipts
 // sequence at the first of them; it returns that id. (The ranges below,
 // empty, are due at once: the first pass drops them.)
-func partitionBy(t *testing.T, db *pgxpool.Pool) int64 {
+func partitionBy(t *testing.T, db *pgxpool.Pool) int64 { return partitionByWidth(t, db, width) }
+
+// partitionByWidth is partitionBy with ranges w ids wide, with room for
+// the 100 receipts a test writes at most, and more ahead.
+func partitionByWidth(t *testing.T, db *pgxpool.Pool, w int64) int64 {
 	t.Helper()
 	ctx := context.Background()
 	var top int64
@@ -36,9 +40,8 @@ func partitionBy(t *testing.T, db *pgxpool.Pool) int64 {
 		t.Fatal(err)
 	}
 	mustExec(t, db, `SELECT setval(pg_get_serial_sequence('reconciler.receipts', 'id'), $1)`, top-1)
-	mustExec(t, db, `UPDATE reconciler.history_partitioning SET width = $1`, width)
-	// (Ranges for the 100 receipts a test writes at most, and more ahead.)
-	mustExec(t, db, `SELECT reconciler.ensure_history_partitions($1)`, top+100)
+	mustExec(t, db, `UPDATE reconciler.history_partitioning SET width = $1`, w)
+	mustExec(t, db, `SELECT reconciler.ensure_history_partitions($1)`, top+100+w)
 	return top
 }
 
@@ -238,7 +241,8 @@ func TestHistoryPartitionLeavesWhole(t *testing.T) {
 }
 
 // A receipt a guarantee keeps pins its range: the range is not dropped,
-// the history of the receipts that left goes row by row, and the kept
+// the history of the receipts that left goes row by row (one kept in ten:
+// too many for a compaction, see compact_test.go), and the kept
 // receipt's history stays complete. A receipts batch with receipts in a
 // range that leaves whole and in pinned ones: the range's history leaves
 // with it, the rest of the batch's row by row.

@@ -21,8 +21,11 @@
 // range whose receipts all left before the history policy, and that the
 // receipts sequence has passed, leaves whole, exported to one file and then
 // dropped by one SECURITY DEFINER call (migration 00022) that re-checks the
-// rule and the rows under the partitions' locks. The history left, that of
-// receipts in ranges a kept receipt pins, goes row by row.
+// rule and the rows under the partitions' locks. A range a few kept
+// receipts pin is compacted (migration 00024): the history of its receipts
+// that left is exported and removed at once, the kept receipts' history
+// copied into new partitions. The history left, that of receipts in ranges
+// where the kept share is too large, goes row by row.
 // See docs/retention.md.
 package retention
 
@@ -86,6 +89,10 @@ type Report struct {
 	ReceiptBatches, HistoryBatches int
 	// HistoryPartitions counts the history partition ranges dropped whole.
 	HistoryPartitions int
+	// HistoryPartitionsCompacted counts the pinned ranges compacted: the
+	// history of their receipts that left removed at once, the kept
+	// receipts' history copied into new partitions.
+	HistoryPartitionsCompacted int
 	// Rows counts the rows removed per table.
 	Rows map[string]int64
 	// Files are the archives written, in order.
@@ -111,7 +118,8 @@ func New(db *pgxpool.Pool, sink Sink, log *slog.Logger) *Archiver {
 // Run makes one pass: it removes, in batches, every receipt chain p lets
 // go (each batch exported first), then, oldest first, every history
 // partition range nothing in which is needed any more (see
-// removePartitions), then row by row the history left of every removed
+// removePartitions), then every range a few kept receipts pin (see
+// compactPartitions), then row by row the history left of every removed
 // batch past p.History. maxBatches bounds the receipts batches of the pass (0:
 // no bound). An export that fails stops the pass with its error, nothing of
 // that batch removed; a batch the database refuses (a receipt changed
@@ -148,6 +156,9 @@ func (a *Archiver) Run(ctx context.Context, p Policy, maxBatches int) (Report, e
 		after = next
 	}
 	if err := a.removePartitions(ctx, now.Add(-p.History), &rep); err != nil {
+		return rep, err
+	}
+	if err := a.compactPartitions(ctx, now.Add(-p.History), &rep); err != nil {
 		return rep, err
 	}
 	for {

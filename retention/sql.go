@@ -90,6 +90,48 @@ const (
 	// sqlDropPartition drops a range's partitions, re-checking the rule and
 	// the rows under their locks.
 	sqlDropPartition = `SELECT reconciler.retention_drop_history_partition(@lo, @hi, @history_before, @archive, @sha256, @expected)`
+
+	// sqlPartitionsToCompact is every history partition range a receipt
+	// still in the ledger pins but that may be compacted (migration 00024),
+	// oldest first, with the compactions it had: those whose receipts left
+	// since the range's last partition batch (whose history is still
+	// there) are more than (1 - @max_kept_share) of them with the kept
+	// ones. Counted in receipts by their primary keys, not in rows: a
+	// receipt's history is a few rows, kept or not alike.
+	sqlPartitionsToCompact = `SELECT r.from_id, r.to_id, c.n
+	FROM reconciler.history_partitions() r
+	CROSS JOIN LATERAL (SELECT count(*) AS n, coalesce(max(d.id), 0) AS last FROM reconciler.retention_batches d
+		WHERE d.kind = 'partition' AND d.range_hi = r.to_id AND d.range_lo IS NOT DISTINCT FROM r.from_id) c
+	CROSS JOIN LATERAL (SELECT count(*) AS kept FROM reconciler.receipts x
+		WHERE x.id >= coalesce(r.from_id, -9223372036854775808) AND x.id < r.to_id) k
+	CROSS JOIN LATERAL (SELECT count(*) AS gone FROM reconciler.removed_receipts t
+		WHERE t.receipt_id >= coalesce(r.from_id, -9223372036854775808) AND t.receipt_id < r.to_id
+		  AND t.batch_id > c.last) g
+	WHERE r.parent = 'receipt_events' AND r.to_id IS NOT NULL
+	  AND reconciler.retention_partition_compact_reason(r.from_id, r.to_id, @history_before) IS NULL
+	  AND k.kept > 0 AND g.gone > 0 AND k.kept < @max_kept_share::float8 * (k.kept + g.gone)
+	ORDER BY r.to_id`
+
+	// sqlExportCompaction is every row of a range's partitions whose
+	// receipt is no longer in the ledger: what the compaction removes. The
+	// receipts are bounded by the range too, so the anti-join reads only
+	// theirs (by the primary key), never the whole ledger.
+	sqlExportCompaction = `SELECT 'receipt_events', to_jsonb(e) FROM reconciler.receipt_events e
+		WHERE e.receipt_id >= coalesce($1, -9223372036854775808) AND e.receipt_id < $2
+		  AND NOT EXISTS (SELECT FROM reconciler.receipts x WHERE x.id = e.receipt_id
+		                  AND x.id >= coalesce($1, -9223372036854775808) AND x.id < $2)
+	UNION ALL SELECT 'readback_checks', to_jsonb(c) FROM reconciler.readback_checks c
+		WHERE c.receipt_id >= coalesce($1, -9223372036854775808) AND c.receipt_id < $2
+		  AND NOT EXISTS (SELECT FROM reconciler.receipts x WHERE x.id = c.receipt_id
+		                  AND x.id >= coalesce($1, -9223372036854775808) AND x.id < $2)
+	UNION ALL SELECT 'verdict_audits', to_jsonb(v) FROM reconciler.verdict_audits v
+		WHERE v.receipt_id >= coalesce($1, -9223372036854775808) AND v.receipt_id < $2
+		  AND NOT EXISTS (SELECT FROM reconciler.receipts x WHERE x.id = v.receipt_id
+		                  AND x.id >= coalesce($1, -9223372036854775808) AND x.id < $2)`
+
+	// sqlCompactPartition compacts a range's partitions, re-checking the
+	// rule and the rows under their locks.
+	sqlCompactPartition = `SELECT reconciler.retention_compact_history_partition(@lo, @hi, @history_before, @archive, @sha256, @expected)`
 )
 
 // receiptTables and historyTables are the tables each kind of batch

@@ -127,8 +127,8 @@ func archiveRun(c *cli.Context) error {
 }
 
 func printArchiveReport(w *screen, rep retention.Report) {
-	w.Printf("receipt_batches=%d\nhistory_partitions=%d\nhistory_batches=%d\n",
-		rep.ReceiptBatches, rep.HistoryPartitions, rep.HistoryBatches)
+	w.Printf("receipt_batches=%d\nhistory_partitions=%d\nhistory_partitions_compacted=%d\nhistory_batches=%d\n",
+		rep.ReceiptBatches, rep.HistoryPartitions, rep.HistoryPartitionsCompacted, rep.HistoryBatches)
 	tables := make([]string, 0, len(rep.Rows))
 	for t := range rep.Rows {
 		tables = append(tables, t)

@@ -131,7 +131,7 @@ func TestArchiveDropsAHistoryPartition(t *testing.T) {
 		"--settled", "90d", "--horizon", "1h")
 	file := filepath.Join(archive, fmt.Sprintf("history-p%019d-%019d.jsonl.gz", lo, lo+10))
 	if code != 0 || !strings.Contains(out, "\nhistory_partitions=") || strings.Contains(out, "\nhistory_partitions=0\n") ||
-		!strings.Contains(out, "file="+file+"\n") {
+		!strings.Contains(out, "\nhistory_partitions_compacted=0\n") || !strings.Contains(out, "file="+file+"\n") {
 		t.Fatalf("archive run: exit %d, stdout %q, stderr %q", code, out, errOut)
 	}
 	code, out, errOut = runCLI(t, "", "archive", "verify", file)

@@ -54,6 +54,14 @@ func TestRetentionRole(t *testing.T) {
 		_, err := pool.Exec(ctx, drop)
 		wantCode(t, name+": retention_drop_history_partition", err, denied)
 	}
+	// Nor a history partition's compaction (migration 00024).
+	compact := `SELECT reconciler.retention_compact_history_partition(NULL, 1, clock_timestamp(), 'x', repeat('0', 64), '{}')`
+	for name, pool := range map[string]interface {
+		Exec(context.Context, string, ...any) (pgconn.CommandTag, error)
+	}{"agent": e.agent, "worker": e.worker, "reviewer": e.reviewer} {
+		_, err := pool.Exec(ctx, compact)
+		wantCode(t, name+": retention_compact_history_partition", err, denied)
+	}
 	refuse(t, ret, denied, append(forgeries(r.ID),
 		stmt{"delete receipts", `DELETE FROM reconciler.receipts WHERE id = $1`, []any{r.ID}},
 		stmt{"delete receipts with the removal's setting", `SELECT set_config('reconciler.retention_batch', '1', true);
