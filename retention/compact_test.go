@@ -516,3 +516,38 @@ func TestCompactionGivesWayToAReader(t *testing.T) {
 		t.Errorf("next pass: %+v, %v; want the range compacted", rep, err)
 	}
 }
+
+// archive run --no-compact (Policy.NoCompaction) leaves a pinned range to
+// the row-by-row path: its removable history goes row by row, the kept
+// receipts' history stays, and the partition is the one it was.
+func TestNoCompactionLeavesAPinnedRangeToTheRows(t *testing.T) {
+	ctx := context.Background()
+	db := pgtest.NewPool(t)
+	lo, ids, kept := pinnedRange(t, db)
+	keptBefore := map[string]map[string][]string{}
+	for _, k := range kept {
+		keptBefore[k] = rowsOf(t, db, ids[k], ids[k]+1)
+	}
+	names := map[string]string{}
+	for _, tbl := range partitionTablesForTest() {
+		names[tbl] = partitionOf(t, db, tbl, lo)
+	}
+	rep, err := retention.New(db, retention.Dir(t.TempDir()), nil).Run(ctx,
+		retention.Policy{Settled: 90 * day, History: 90 * day, Horizon: time.Hour, NoCompaction: true}, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if rep.HistoryPartitionsCompacted != 0 || rep.HistoryBatches == 0 {
+		t.Errorf("report %+v: want nothing compacted and the history removed row by row", rep)
+	}
+	for _, k := range kept {
+		if got := rowsOf(t, db, ids[k], ids[k]+1); !mapsEqual(got, keptBefore[k]) {
+			t.Errorf("%s: history after the pass\n%v\nwant, identical\n%v", k, got, keptBefore[k])
+		}
+	}
+	for _, tbl := range partitionTablesForTest() {
+		if got := partitionOf(t, db, tbl, lo); got != names[tbl] {
+			t.Errorf("%s: partition %s after the pass, want %s untouched", tbl, got, names[tbl])
+		}
+	}
+}

@@ -61,6 +61,12 @@ type Policy struct {
 	// Batch is the number of receipts removed per batch (whole retry
 	// chains, so a batch may hold a few more).
 	Batch int
+	// NoCompaction leaves a history range pinned by a few kept receipts
+	// to the row-by-row path instead of compacting it: a compaction holds
+	// every writer of the history (agents planning included) for its
+	// duration, seconds for a range of a million ids (docs/retention.md),
+	// which a ledger that cannot pause its writes may not want.
+	NoCompaction bool
 }
 
 // DefaultBatch is the batch size of a Policy that sets none: large enough
@@ -158,8 +164,10 @@ func (a *Archiver) Run(ctx context.Context, p Policy, maxBatches int) (Report, e
 	if err := a.removePartitions(ctx, now.Add(-p.History), &rep); err != nil {
 		return rep, err
 	}
-	if err := a.compactPartitions(ctx, now.Add(-p.History), &rep); err != nil {
-		return rep, err
+	if !p.NoCompaction {
+		if err := a.compactPartitions(ctx, now.Add(-p.History), &rep); err != nil {
+			return rep, err
+		}
 	}
 	for {
 		done, err := a.removeHistory(ctx, now.Add(-p.History), &rep)

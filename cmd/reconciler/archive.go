@@ -45,6 +45,8 @@ func archiveCommand() *cli.Command {
 				&cli.DurationFlag{Name: "horizon", Usage: "without --adapters: the longest request lifetime plus " +
 					"consistency window (or native key retention) of any dependency"},
 				&cli.IntFlag{Name: "batch", Value: retention.DefaultBatch, Usage: "receipts per batch"},
+				&cli.BoolFlag{Name: "no-compact", Usage: "leave history ranges pinned by a few kept receipts to the " +
+					"row-by-row path: a compaction holds the history's writers for its duration (docs/retention.md)"},
 				&cli.IntFlag{Name: "max-batches", Usage: "stop after this many receipts batches (0: no bound)"},
 			},
 			Action: archiveRun,
@@ -59,7 +61,7 @@ func archiveCommand() *cli.Command {
 
 // archivePolicy is the policy of the flags over the adapters file's.
 func archivePolicy(c *cli.Context) (retention.Policy, error) {
-	p := retention.Policy{Batch: c.Int("batch")}
+	p := retention.Policy{Batch: c.Int("batch"), NoCompaction: c.Bool("no-compact")}
 	switch {
 	case c.String("adapters") != "":
 		reg, err := httpadapter.LoadFile(c.String("adapters"), nil)
