@@ -50,7 +50,7 @@ func TestFailover(t *testing.T) {
 		t.Logf("pg_auto_failover formation up in %s", time.Since(setup).Round(100*time.Millisecond))
 		fig := runFailover(t, bin, f.URL(), func() { f.killPostmaster(t, 0) }, func() { f.waitPromoted(t, 1) })
 		t.Logf("synchronous (pg_auto_failover): %s", fig)
-		if fig.withoutReceipt != 0 || fig.duplicates != 0 || fig.unfinished != 0 {
+		if fig.withoutReceipt != 0 || fig.duplicates != 0 || fig.unfinished != 0 || fig.lost != 0 {
 			t.Fatalf("synchronous replication lost receipts: %s", fig)
 		}
 	})
@@ -92,7 +92,10 @@ type failoverFigures struct {
 	// made more than once; unfinished the tasks neither succeeded nor in
 	// manual_review with a reason.
 	withoutReceipt, duplicates, unfinished int
-	manualReview                           int
+	// lost counts the tasks done whose every receipt is missing on the new
+	// primary.
+	lost         int
+	manualReview int
 	// firstReceipt (the first call begun after the kill to succeed) and
 	// lastSettlement are counted from the kill.
 	promoted, firstReceipt, lastSettlement time.Duration
@@ -100,8 +103,9 @@ type failoverFigures struct {
 
 func (f failoverFigures) String() string {
 	return fmt.Sprintf("1 kill; %d tasks, %d receipts, %d requests received by the API; %d sends without a receipt, "+
-		"%d duplicate effects, %d tasks unfinished, %d in manual_review; from the kill: promoted %s, first new call recorded and answered %s, last settlement %s",
-		f.tasks, f.receipts, f.sends, f.withoutReceipt, f.duplicates, f.unfinished, f.manualReview,
+		"%d duplicate effects, %d tasks unfinished, %d tasks done whose receipts were all lost, %d in manual_review; "+
+		"from the kill: promoted %s, first new call recorded and answered %s, last settlement %s",
+		f.tasks, f.receipts, f.sends, f.withoutReceipt, f.duplicates, f.unfinished, f.lost, f.manualReview,
 		f.promoted.Round(100*time.Millisecond), f.firstReceipt.Round(100*time.Millisecond), f.lastSettlement.Round(100*time.Millisecond))
 }
 
@@ -300,7 +304,13 @@ routes:
 		if c := truth.count(key); c > 1 {
 			fig.duplicates += c - 1
 		}
-		if s := final[key]; s != string(statemachine.Succeeded) && s != string(statemachine.ManualReview) {
+		switch s := final[key]; {
+		case s == "":
+			// Done by its agent, yet no receipt of it on the new primary:
+			// every one was lost with the old one (asynchronous
+			// replication's loss, which the figures report).
+			fig.lost++
+		case s != string(statemachine.Succeeded) && s != string(statemachine.ManualReview):
 			fig.unfinished++
 		}
 	}
