@@ -258,11 +258,9 @@ BEGIN
     -- The three tables share their ranges (a range of receipts leaves
     -- whole): the next starts above the highest of any, and above any row
     -- a default partition holds.
-    SELECT max((regexp_match(pg_get_expr(c.relpartbound, c.oid), 'TO \(''?(-?[0-9]+)''?\)'))[1]::bigint)
-    INTO hi
-    FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid
-    WHERE i.inhparent IN ('reconciler.receipt_events'::regclass, 'reconciler.readback_checks'::regclass,
-                          'reconciler.verdict_audits'::regclass);
+    -- (reconciler.history_partitions, below, is the one reader of the
+    -- catalog's bounds.)
+    SELECT max(r.to_id) INTO hi FROM reconciler.history_partitions() r;
     SELECT greatest((SELECT max(d.receipt_id) FROM reconciler.receipt_events_default d),
                     (SELECT max(d.receipt_id) FROM reconciler.readback_checks_default d),
                     (SELECT max(d.receipt_id) FROM reconciler.verdict_audits_default d))
